@@ -1,0 +1,8 @@
+"""``python -m optq``: the same as the ``optq`` console script."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Quantization settings: one frozen, validated dataclass shared by the solver, pipeline and CLI."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["QuantConfig"]
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"QuantConfig.{field}={value!r} is invalid; allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """How to quantize each linear layer.
+
+    Example::
+
+        >>> cfg = QuantConfig(bits=4, group_size=128)
+        >>> cfg.maxq
+        15
+
+    Fields:
+        bits: code width, 2..8.
+        group_size: input channels sharing one scale/zero; -1 = one group per output channel.
+            When it does not divide the layer width the last group is simply shorter.
+        sym: symmetric grid (zero point fixed at 2^(bits-1)) or asymmetric (min/max fitted).
+        act_order: quantize columns by descending Hessian diagonal (GPTQ "desc_act").
+        static_groups: with act_order, fit every group's parameters up front from the
+            unquantized weights in natural column order, so g_idx stays k // group_size.
+        damp: fraction of the mean Hessian diagonal added to the diagonal before factorising.
+        damp_max: the largest damping fraction tried when the factorisation fails (the solver
+            escalates geometrically from ``damp`` up to this value, then raises).
+        block_size: width of the lazy-update blocks of the GPTQ solver.
+        mse: search shrunken ranges per channel/group for the least rounding error
+            instead of plain min/max.
+        mse_grid: number of candidate shrink steps of that search.
+        mse_maxshrink: largest fraction of the range the search may cut (0 < x < 1).
+        mse_norm: exponent of the rounding error minimised by the search (2 = squared error).
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    act_order: bool = False
+    static_groups: bool = False
+    damp: float = 0.01
+    damp_max: float = 1.0
+    block_size: int = 128
+    mse: bool = False
+    mse_grid: int = 100
+    mse_maxshrink: float = 0.8
+    mse_norm: float = 2.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = {"bool": bool, "int": int, "float": (int, float)}[f.type]
+            # bool is an int subclass: refuse True for numeric fields and 1 for booleans.
+            if isinstance(value, bool) != (f.type == "bool") or not isinstance(value, expected):
+                _fail(f.name, value, f"a value of type {f.type}")
+        if not 2 <= self.bits <= 8:
+            _fail("bits", self.bits, "an integer from 2 to 8")
+        if self.group_size != -1 and self.group_size < 1:
+            _fail("group_size", self.group_size, "-1 (per output channel) or a positive integer")
+        if self.static_groups and not self.act_order:
+            _fail("static_groups", True, "True only together with act_order=True")
+        if not 0.0 <= self.damp < float("inf") or self.damp != self.damp:
+            _fail("damp", self.damp, "a finite fraction >= 0 of the mean Hessian diagonal")
+        if not self.damp_max >= self.damp or self.damp_max == float("inf"):
+            _fail("damp_max", self.damp_max, f"a finite value >= damp ({self.damp})")
+        if self.block_size < 1:
+            _fail("block_size", self.block_size, "a positive integer")
+        if self.mse_grid < 1:
+            _fail("mse_grid", self.mse_grid, "a positive integer")
+        if not 0.0 < self.mse_maxshrink < 1.0:
+            _fail("mse_maxshrink", self.mse_maxshrink, "a fraction strictly between 0 and 1")
+        if not self.mse_norm > 0.0:
+            _fail("mse_norm", self.mse_norm, "a positive exponent")
+
+    @property
+    def maxq(self) -> int:
+        """The largest code, 2^bits - 1."""
+        return (1 << self.bits) - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (for reports and checkpoint metadata)."""
+        return asdict(self)

@@ -1,0 +1,78 @@
+"""Accumulating the layer Hessian H = 2 X Xᵀ / n from calibration inputs."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Hessian"]
+
+
+class Hessian:
+    """Running sum of x xᵀ over calibration tokens for one linear layer's input.
+
+    ``update`` takes inputs of any leading shape ``[..., in_features]``; every row of the
+    flattened input is one token. The sum (not a running mean) is kept, so ``merge`` of two
+    accumulators is exactly the accumulator of the union of their inputs, up to float
+    summation order; this is what data-parallel calibration all-reduces.
+
+    Example::
+
+        >>> h = Hessian(8)
+        >>> h.update(torch.randn(2, 5, 8))
+        >>> h.count, tuple(h.matrix().shape)
+        (10, (8, 8))
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(in_features, int) or in_features < 1:
+            raise ValueError(f"in_features must be a positive integer, got {in_features!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"Hessian accumulates in float32 or float64, not {dtype}")
+        self.in_features = in_features
+        self.dtype = dtype
+        self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
+        self.count = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add the tokens of ``x`` ([..., in_features]) to the sum."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input has {x.shape[-1]} features per token, this Hessian expects "
+                f"{self.in_features} (shape {tuple(x.shape)})"
+            )
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] == 0:
+            return
+        x = x.to(device=self.sum.device, dtype=self.dtype)
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise ValueError(
+                f"calibration input contains {bad} NaN/Inf values (of {x.numel()}); the model "
+                "overflows on this data: check its dtype (use float32) and the inputs"
+            )
+        # sum += xᵀ x, in place, without materialising the product separately.
+        self.sum.addmm_(x.T, x)
+        self.count += x.shape[0]
+
+    def merge(self, other: "Hessian") -> "Hessian":
+        """Add another accumulator's tokens into this one (in place); returns self."""
+        if not isinstance(other, Hessian) or other.in_features != self.in_features:
+            raise ValueError("can only merge a Hessian of the same in_features")
+        self.sum += other.sum.to(device=self.sum.device, dtype=self.dtype)
+        self.count += other.count
+        return self
+
+    def matrix(self) -> torch.Tensor:
+        """The normalised Hessian 2 XᵀX / count (all zeros before any update)."""
+        if self.count == 0:
+            return torch.zeros_like(self.sum)
+        return self.sum * (2.0 / self.count)
+
+    def __repr__(self) -> str:
+        return f"Hessian(in_features={self.in_features}, count={self.count}, dtype={self.dtype})"

@@ -1,0 +1,350 @@
+"""Hessian-aware rounding of one weight matrix: GPTQ, its greedy ancestor OBQ, and round-to-nearest.
+
+Symbols follow the paper. For a linear layer with weight W [rows, cols] (nn.Linear layout: one
+row per output channel, one column per input channel) and calibration inputs X [cols, n]:
+
+    H     = 2 X Xᵀ / n, the Hessian of the layer objective ||W X - Ŵ X||² / n (shared by rows)
+    Hinv  = the upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ U); row q of U holds, scaled by U_qq,
+            the OBS update direction for column q once columns < q are fixed
+    Err   = (w_q - quant(w_q)) / U_qq for each quantized column, the scaled errors that the lazy
+            block update pushes onto the later columns
+
+The layer objective reported is ``objective(W, Ŵ, H) = ½ tr((W-Ŵ) H (W-Ŵ)ᵀ)``, the mean squared
+output error per calibration token when H is ``Hessian.matrix()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import grid
+from .config import QuantConfig
+
+__all__ = ["Solution", "FactorizationError", "gptq", "rtn", "obq", "objective", "inverse_factor"]
+
+log = logging.getLogger("optq.solver")
+
+
+class FactorizationError(ValueError):
+    """H stayed non-positive-definite (or non-finite) after escalated damping."""
+
+
+@dataclass
+class Solution:
+    """A quantized weight matrix. ``weight`` is exactly the dequantization of the others:
+
+    ``weight == (scales[:, g_idx] * (codes - zeros[:, g_idx])).to(W.dtype)``.
+
+    Attributes:
+        weight: [rows, cols] dequantized weight, the input's dtype and device.
+        codes: [rows, cols] uint8 codes in [0, 2^bits - 1], natural column order.
+        scales: [rows, groups] float32 (float64 when W is float64).
+        zeros: [rows, groups] int32 zero points (2^(bits-1) for symmetric grids).
+        g_idx: [cols] int32 group of each input column.
+        perm: [cols] int64 order in which columns were quantized (identity without act_order).
+        loss: layer objective ½ tr(ΔHΔᵀ) reached on the undamped H (None for rtn).
+        damp: damping fraction of the mean diagonal finally used (None for rtn).
+        config: the settings used.
+    """
+
+    weight: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    perm: torch.Tensor
+    loss: float | None
+    damp: float | None
+    config: QuantConfig
+
+    def dequantize(self) -> torch.Tensor:
+        """Recompute the weight (in the scales' dtype) from codes, scales, zeros and g_idx."""
+        g = self.g_idx.long()
+        s = self.scales[:, g]
+        return grid.dequantize(self.codes.to(s.dtype), s, self.zeros[:, g].to(s.dtype))
+
+
+def objective(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """½ tr((W - Ŵ) H (W - Ŵ)ᵀ): the layer's output error under Hessian H (float64 sum)."""
+    delta = (W.to(H.dtype) - W_hat.to(H.dtype)).to(H.device)
+    return 0.5 * float(((delta @ H) * delta).sum(dtype=torch.float64))
+
+
+def _work_dtype(W: torch.Tensor) -> torch.dtype:
+    # Half-precision weights are solved in float32; float64 stays float64 (exact tests).
+    return torch.float64 if W.dtype == torch.float64 else torch.float32
+
+
+def _check(W: torch.Tensor, H: torch.Tensor | None, config: QuantConfig) -> None:
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be an optq.QuantConfig, got {type(config).__name__}")
+    if W.dim() != 2 or not W.is_floating_point():
+        raise ValueError(f"W must be a 2-D float tensor [out, in], got {W.dtype} {tuple(W.shape)}")
+    if not torch.isfinite(W).all():
+        raise ValueError("W contains NaN or Inf values")
+    if H is not None and H.shape != (W.shape[1], W.shape[1]):
+        raise ValueError(f"H must be [{W.shape[1]}, {W.shape[1]}] for W {tuple(W.shape)}, got {tuple(H.shape)}")
+
+
+def inverse_factor(H: torch.Tensor, damp: float, damp_max: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor U of (H + λI)⁻¹, λ = damp · mean(diag H), escalating damp on failure.
+
+    One Cholesky factorisation of the reversed matrix gives U directly: with J the reversal,
+    J H J = L Lᵀ implies H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J) and J L⁻¹ J is upper triangular with a
+    positive diagonal, i.e. the Cholesky factor of H⁻¹. Zero diagonal entries (dead inputs) must
+    be replaced before the call. Returns (U, damp used).
+    """
+    if not torch.isfinite(H).all():
+        raise FactorizationError("the Hessian contains NaN or Inf values; check the calibration inputs")
+    n = H.shape[0]
+    mean_diag = float(H.diagonal().mean())
+    tried = []
+    fraction = damp
+    while True:
+        tried.append(fraction)
+        Hd = H.flip(0, 1)
+        Hd.diagonal().add_(fraction * mean_diag)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            eye = torch.eye(n, dtype=H.dtype, device=H.device)
+            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            if torch.isfinite(U).all():
+                return U, fraction
+        if fraction >= damp_max:
+            break
+        # Escalate geometrically (x10) from at least 1e-4, capped at damp_max: a bounded ladder.
+        fraction = min(damp_max, max(fraction * 10.0, 1e-4))
+    raise FactorizationError(
+        "Hessian is not positive definite after damping "
+        f"{tried[0]:g}..{tried[-1]:g} of its mean diagonal; raise damp (--damp) or damp_max, "
+        "or give more calibration tokens"
+    )
+
+
+def _prepare_hessian(H: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    H = H.to(dtype=dtype, copy=True)
+    dead = H.diagonal() == 0
+    if bool(dead.all()):
+        H.diagonal().fill_(1.0)
+    elif bool(dead.any()):
+        # A dead input never reaches the output on calibration data: give it a unit curvature
+        # so it is simply rounded, without pulling on (or being pulled by) the live columns.
+        # Its weights are kept (not zeroed): they matter on data where the channel is alive.
+        H.diagonal()[dead] = float(H.diagonal()[~dead].mean())
+    return H
+
+
+_SUB_BLOCK = 16  # columns per inner lazy sub-block (rank-one updates stay inside it)
+
+
+def _current(
+    Wt: torch.Tensor, U: torch.Tensor, Err: torch.Tensor, pos: int, end: int, i1: int, i2: int, j1: int, j2: int
+) -> torch.Tensor:
+    """Columns [pos, end) of the weight as they stand after every error pushed so far.
+
+    Inside the current sub-block [j1, j2) the rank-one updates are applied eagerly; the rest of
+    the block [j2, i2) still lacks this sub-block's errors Err[j1:pos]; columns past the block
+    lack all of the block's errors Err[i1:pos].
+    """
+    parts = [Wt[pos : min(end, j2)]]
+    if end > j2:
+        hi = min(end, i2)
+        parts.append(Wt[j2:hi] - U[j1:pos, j2:hi].T @ Err[j1:pos])
+    if end > i2:
+        parts.append(Wt[i2:end] - U[i1:pos, i2:end].T @ Err[i1:pos])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _group_size(config: QuantConfig, cols: int) -> int:
+    return cols if config.group_size == -1 else config.group_size
+
+
+def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
+    """Quantize W [rows, cols] with GPTQ under Hessian H [cols, cols] (e.g. ``Hessian.matrix()``).
+
+    One column order for all rows, all rows at once, U from one Cholesky factorisation, errors
+    pushed onto later columns lazily in blocks of ``config.block_size``. With ``act_order``
+    columns go by descending diag(H); group parameters are fitted when a group starts, from the
+    error-updated weights (or, with ``static_groups``, up front from W in natural order).
+    """
+    _check(W, H, config)
+    rows, cols = W.shape
+    dtype = _work_dtype(W)
+    device = W.device
+    maxq = config.maxq
+    gs = _group_size(config, cols)
+    n_groups = math.ceil(cols / gs)
+
+    Hp = _prepare_hessian(H.to(device), dtype)
+    added = Hp.diagonal() - H.diagonal().to(device=device, dtype=dtype)  # dead-input fix, natural order
+    if config.act_order:
+        perm = torch.argsort(Hp.diagonal(), descending=True, stable=True)
+        Hp = Hp[perm][:, perm]
+    else:
+        perm = torch.arange(cols, device=device)
+    U, damp_used = inverse_factor(Hp, config.damp, config.damp_max)
+    added += damp_used * float(Hp.diagonal().mean())
+    del Hp
+
+    # Work transposed ([cols, rows], contiguous): a column of W is then one contiguous vector,
+    # so the per-column rounding and rank-one updates stream through memory.
+    Wt = W.T.to(dtype=dtype)[perm].contiguous()
+    scales = torch.empty(n_groups, rows, dtype=dtype, device=device)
+    zeros = torch.empty(n_groups, rows, dtype=dtype, device=device)
+    natural = grid.group_index(cols, config.group_size, device)
+    if config.static_groups or not config.act_order:
+        g_idx = natural
+    else:
+        g_idx = torch.empty(cols, dtype=torch.int32, device=device)
+        g_idx[perm] = natural
+    group_of_pos = g_idx[perm].tolist()  # group of the column quantized at each position
+    if config.static_groups:
+        W0 = W.to(dtype)
+        for g in range(n_groups):
+            scales[g], zeros[g] = grid.fit(W0[:, g * gs : (g + 1) * gs], config)
+        del W0
+    fit_at = set() if config.static_groups else set(range(0, cols, gs))
+    diag = U.diagonal().tolist()
+
+    codes = torch.empty(cols, rows, dtype=dtype, device=device)
+    Err = torch.empty(cols, rows, dtype=dtype, device=device)  # row q: Err of column q
+    B = config.block_size
+    b = min(_SUB_BLOCK, B)
+    threads = torch.get_num_threads()
+    serial = device.type == "cpu" and threads > 1
+    for i1 in range(0, cols, B):
+        i2 = min(i1 + B, cols)
+        if serial:
+            # The column loop is thousands of tiny ops: forking threads for each costs more
+            # than it saves (and stalls badly when other processes share the cores).
+            torch.set_num_threads(1)
+        # Two levels of laziness: rank-one updates only inside sub-blocks of b columns, one GEMM
+        # per sub-block for the rest of the block, one GEMM per block for all later columns.
+        for j1 in range(i1, i2, b):
+            j2 = min(j1 + b, i2)
+            for pos in range(j1, j2):
+                g = group_of_pos[pos]
+                if pos in fit_at:
+                    part = _current(Wt, U, Err, pos, min(pos + gs, cols), i1, i2, j1, j2)
+                    scales[g], zeros[g] = grid.fit(part.T, config)
+                s, z = scales[g], zeros[g]
+                w = Wt[pos]
+                q = codes[pos]
+                torch.div(w, s, out=q)
+                q.round_().add_(z).clamp_(0, maxq)
+                e = Err[pos]
+                torch.sub(w, grid.dequantize(q, s, z), out=e)
+                e.div_(diag[pos])
+                if pos + 1 < j2:
+                    Wt[pos + 1 : j2].addr_(U[pos, pos + 1 : j2], e, alpha=-1)
+            if j2 < i2:
+                Wt[j2:i2].addmm_(U[j1:j2, j2:i2].T, Err[j1:j2], alpha=-1)
+        if serial:
+            torch.set_num_threads(threads)
+        if i2 < cols:
+            Wt[i2:].addmm_(U[i1:i2, i2:].T, Err[i1:i2], alpha=-1)
+    del Wt, U
+
+    codes = codes[torch.argsort(perm)].T if config.act_order else codes.T
+    sol = _solution(W, None, codes, scales.T, zeros.T, g_idx, perm, damp_used, config)
+    # The objective without another [rows, cols] x [cols, cols] product: GPTQ's final error is
+    # Δ = Err U (permuted), so ½ tr(Δ H_d Δᵀ) = ½ ||Err||² exactly for the damped H_d = H + diag(added);
+    # remove what the added diagonal contributed to get the objective on the caller's H.
+    delta_sq = (W.to(dtype) - sol.weight.to(dtype)).square_().sum(0, dtype=torch.float64)
+    sol.loss = 0.5 * (float(Err.square().sum(dtype=torch.float64)) - float(added.double() @ delta_sq))
+    return sol
+
+
+def _solution(
+    W: torch.Tensor,
+    H: torch.Tensor | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    perm: torch.Tensor,
+    damp: float | None,
+    config: QuantConfig,
+) -> Solution:
+    sol = Solution(
+        weight=W,  # placeholder, replaced just below
+        codes=codes.to(torch.uint8),
+        scales=scales,
+        zeros=zeros.to(torch.int32),
+        g_idx=g_idx.to(torch.int32),
+        perm=perm.to(torch.int64),
+        loss=None,
+        damp=damp,
+        config=config,
+    )
+    weight = sol.dequantize()  # in the scales' dtype: exactly what the solver rounded to
+    if H is not None:
+        sol.loss = objective(W, weight, H.to(device=W.device, dtype=_work_dtype(W)))
+    sol.weight = weight.to(W.dtype)
+    return sol
+
+
+def rtn(W: torch.Tensor, config: QuantConfig) -> Solution:
+    """Round-to-nearest on the same grid as ``gptq`` (groups in natural column order)."""
+    _check(W, None, config)
+    rows, cols = W.shape
+    Wf = W.to(_work_dtype(W))
+    scales, zeros = _natural_groups(Wf, config)
+    g_idx = grid.group_index(cols, config.group_size, W.device)
+    codes = grid.quantize(Wf, scales[:, g_idx], zeros[:, g_idx], config.maxq)
+    perm = torch.arange(cols, device=W.device)
+    return _solution(W, None, codes, scales, zeros, g_idx, perm, None, config)
+
+
+def _natural_groups(W: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid parameters [rows, groups] fitted on W's natural column groups."""
+    rows, cols = W.shape
+    gs = _group_size(config, cols)
+    pairs = [grid.fit(W[:, g : g + gs], config) for g in range(0, cols, gs)]
+    return torch.stack([p[0] for p in pairs], 1), torch.stack([p[1] for p in pairs], 1)
+
+
+def obq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
+    """Greedy Optimal Brain Quantization: each row picks its own order, one weight at a time.
+
+    At every step each row quantizes the remaining coordinate q with the least
+    (w_q - quant(w_q))² / [H⁻¹]_qq, moves its other remaining weights by the OBS update, and
+    removes q from its inverse Hessian by the rank-one deletion
+    H⁻¹ ← H⁻¹ - H⁻¹[:, q] H⁻¹[q, :] / [H⁻¹]_qq. Costs rows · cols³: a reference and research
+    option for small layers. Grid parameters are fitted up front on W's natural groups (the
+    greedy order has no group start); ``perm`` is the identity since each row has its own order.
+    """
+    _check(W, H, config)
+    rows, cols = W.shape
+    dtype = _work_dtype(W)
+    U, damp_used = inverse_factor(_prepare_hessian(H.to(W.device), dtype), config.damp, config.damp_max)
+    Hinv = (U.T @ U).expand(rows, cols, cols).clone()  # one inverse per row: rows choose apart
+    del U
+    w = W.to(dtype=dtype, copy=True)
+    scales, zeros = _natural_groups(w, config)
+    g_idx = grid.group_index(cols, config.group_size, W.device)
+    s_col, z_col = scales[:, g_idx], zeros[:, g_idx]
+    done = torch.zeros(rows, cols, dtype=torch.bool, device=W.device)
+    codes = torch.empty(rows, cols, dtype=dtype, device=W.device)
+    r = torch.arange(rows, device=W.device)
+    for _ in range(cols):
+        q_all = grid.quantize(w, s_col, z_col, config.maxq)
+        d = Hinv.diagonal(dim1=1, dim2=2)
+        score = (w - grid.dequantize(q_all, s_col, z_col)).square() / d
+        q = score.masked_fill(done, float("inf")).argmin(dim=1)
+        codes[r, q] = q_all[r, q]
+        dq = grid.dequantize(q_all[r, q], s_col[r, q], z_col[r, q])
+        d_q = d[r, q]
+        col = Hinv[r, :, q]  # [rows, cols]: H⁻¹ e_q of each row
+        w -= ((w[r, q] - dq) / d_q).unsqueeze(1) * col
+        w[r, q] = dq  # exact: the update above lands there up to rounding
+        Hinv -= col.unsqueeze(2) * (Hinv[r, q, :] / d_q.unsqueeze(1)).unsqueeze(1)
+        done[r, q] = True
+        # Deleted coordinates keep a unit diagonal so later divisions stay finite (masked anyway).
+        Hinv[r, q, q] = 1.0
+    perm = torch.arange(cols, device=W.device)
+    return _solution(W, H, codes, scales, zeros, g_idx, perm, damp_used, config)

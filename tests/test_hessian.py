@@ -1,0 +1,63 @@
+"""optq.Hessian: accumulation, merging, normalisation and input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optq
+
+
+def test_matrix_is_two_x_xt_over_count():
+    x = torch.randn(37, 6, dtype=torch.float64)
+    h = optq.Hessian(6, dtype=torch.float64)
+    h.update(x)
+    assert h.count == 37
+    assert torch.allclose(h.matrix(), 2 * x.T @ x / 37, rtol=1e-12)
+
+
+def test_merge_equals_single_accumulation():
+    x = torch.randn(3, 40, 16)
+    one = optq.Hessian(16)
+    one.update(x)
+    parts = [optq.Hessian(16) for _ in range(3)]
+    for p, xi in zip(parts, x):
+        p.update(xi)
+    merged = parts[0].merge(parts[1]).merge(parts[2])
+    assert merged.count == one.count == 120
+    assert torch.allclose(merged.matrix(), one.matrix(), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_shapes_agree():
+    x = torch.randn(2, 5, 7, 8)
+    a, b = optq.Hessian(8), optq.Hessian(8)
+    a.update(x)
+    b.update(x.reshape(-1, 8))
+    assert a.count == b.count == 70
+    assert torch.equal(a.matrix(), b.matrix())
+
+
+def test_float64_accumulation_on_request():
+    h = optq.Hessian(4, dtype=torch.float64)
+    h.update(torch.randn(10, 4))
+    assert h.matrix().dtype == torch.float64
+
+
+def test_bad_inputs_are_named():
+    h = optq.Hessian(4)
+    x = torch.randn(5, 4)
+    x[0, 1] = float("nan")
+    x[3, 2] = float("inf")
+    with pytest.raises(ValueError, match="2 NaN/Inf"):
+        h.update(x)
+    assert h.count == 0  # nothing was added
+    with pytest.raises(ValueError, match="expects 4"):
+        h.update(torch.randn(5, 3))
+    with pytest.raises(ValueError, match="in_features"):
+        optq.Hessian(0)
+    with pytest.raises(ValueError, match="same in_features"):
+        h.merge(optq.Hessian(5))
+
+
+def test_empty_hessian_is_zero():
+    assert torch.equal(optq.Hessian(3).matrix(), torch.zeros(3, 3))
