@@ -15,7 +15,6 @@ output error per calibration token when H is ``Hessian.matrix()``.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -23,14 +22,10 @@ import torch
 
 from . import grid
 from .config import QuantConfig
+from .factor import FactorizationError, all_finite, inverse_factor
 
-__all__ = ["Solution", "FactorizationError", "gptq", "rtn", "obq", "objective", "inverse_factor"]
+__all__ = ["Solution", "FactorizationError", "gptq", "rtn", "objective"]
 
-log = logging.getLogger("optq.solver")
-
-
-class FactorizationError(ValueError):
-    """H stayed non-positive-definite (or non-finite) after escalated damping."""
 
 
 @dataclass
@@ -84,58 +79,10 @@ def _check(W: torch.Tensor, H: torch.Tensor | None, config: QuantConfig) -> None
         raise TypeError(f"config must be an optq.QuantConfig, got {type(config).__name__}")
     if W.dim() != 2 or not W.is_floating_point():
         raise ValueError(f"W must be a 2-D float tensor [out, in], got {W.dtype} {tuple(W.shape)}")
-    if not torch.isfinite(W).all():
+    if not all_finite(W):
         raise ValueError("W contains NaN or Inf values")
     if H is not None and H.shape != (W.shape[1], W.shape[1]):
         raise ValueError(f"H must be [{W.shape[1]}, {W.shape[1]}] for W {tuple(W.shape)}, got {tuple(H.shape)}")
-
-
-def inverse_factor(H: torch.Tensor, damp: float, damp_max: float) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor U of (H + λI)⁻¹, λ = damp · mean(diag H), escalating damp on failure.
-
-    One Cholesky factorisation of the reversed matrix gives U directly: with J the reversal,
-    J H J = L Lᵀ implies H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J) and J L⁻¹ J is upper triangular with a
-    positive diagonal, i.e. the Cholesky factor of H⁻¹. Zero diagonal entries (dead inputs) must
-    be replaced before the call. Returns (U, damp used).
-    """
-    if not torch.isfinite(H).all():
-        raise FactorizationError("the Hessian contains NaN or Inf values; check the calibration inputs")
-    n = H.shape[0]
-    mean_diag = float(H.diagonal().mean())
-    tried = []
-    fraction = damp
-    while True:
-        tried.append(fraction)
-        Hd = H.flip(0, 1)
-        Hd.diagonal().add_(fraction * mean_diag)
-        L, info = torch.linalg.cholesky_ex(Hd)
-        if int(info) == 0:
-            eye = torch.eye(n, dtype=H.dtype, device=H.device)
-            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
-            if torch.isfinite(U).all():
-                return U, fraction
-        if fraction >= damp_max:
-            break
-        # Escalate geometrically (x10) from at least 1e-4, capped at damp_max: a bounded ladder.
-        fraction = min(damp_max, max(fraction * 10.0, 1e-4))
-    raise FactorizationError(
-        "Hessian is not positive definite after damping "
-        f"{tried[0]:g}..{tried[-1]:g} of its mean diagonal; raise damp (--damp) or damp_max, "
-        "or give more calibration tokens"
-    )
-
-
-def _prepare_hessian(H: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    H = H.to(dtype=dtype, copy=True)
-    dead = H.diagonal() == 0
-    if bool(dead.all()):
-        H.diagonal().fill_(1.0)
-    elif bool(dead.any()):
-        # A dead input never reaches the output on calibration data: give it a unit curvature
-        # so it is simply rounded, without pulling on (or being pulled by) the live columns.
-        # Its weights are kept (not zeroed): they matter on data where the channel is alive.
-        H.diagonal()[dead] = float(H.diagonal()[~dead].mean())
-    return H
 
 
 _SUB_BLOCK = 16  # columns per inner lazy sub-block (rank-one updates stay inside it)
@@ -179,20 +126,18 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     gs = _group_size(config, cols)
     n_groups = math.ceil(cols / gs)
 
-    Hp = _prepare_hessian(H.to(device), dtype)
-    added = Hp.diagonal() - H.diagonal().to(device=device, dtype=dtype)  # dead-input fix, natural order
+    H = H.to(device)
     if config.act_order:
-        perm = torch.argsort(Hp.diagonal(), descending=True, stable=True)
-        Hp = Hp[perm][:, perm]
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
     else:
         perm = torch.arange(cols, device=device)
-    U, damp_used = inverse_factor(Hp, config.damp, config.damp_max)
-    added += damp_used * float(Hp.diagonal().mean())
-    del Hp
+    U, damp_used, added = inverse_factor(H, config.damp, config.damp_max, perm if config.act_order else None, dtype)
 
     # Work transposed ([cols, rows], contiguous): a column of W is then one contiguous vector,
     # so the per-column rounding and rank-one updates stream through memory.
-    Wt = W.T.to(dtype=dtype)[perm].contiguous()
+    Wt = W.to(dtype).T.contiguous()
+    if config.act_order:
+        Wt = Wt.index_select(0, perm)
     scales = torch.empty(n_groups, rows, dtype=dtype, device=device)
     zeros = torch.empty(n_groups, rows, dtype=dtype, device=device)
     natural = grid.group_index(cols, config.group_size, device)
@@ -237,8 +182,10 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
                 torch.div(w, s, out=q)
                 q.round_().add_(z).clamp_(0, maxq)
                 e = Err[pos]
-                torch.sub(w, grid.dequantize(q, s, z), out=e)
+                dq = grid.dequantize(q, s, z)
+                torch.sub(w, dq, out=e)
                 e.div_(diag[pos])
+                w.copy_(dq)  # the finished column now holds its dequantized value
                 if pos + 1 < j2:
                     Wt[pos + 1 : j2].addr_(U[pos, pos + 1 : j2], e, alpha=-1)
             if j2 < i2:
@@ -247,14 +194,30 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
             torch.set_num_threads(threads)
         if i2 < cols:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, Err[i1:i2], alpha=-1)
-    del Wt, U
+    del U
 
-    codes = codes[torch.argsort(perm)].T if config.act_order else codes.T
-    sol = _solution(W, None, codes, scales.T, zeros.T, g_idx, perm, damp_used, config)
+    # Back to natural column order and [rows, cols]; cast codes first so the transpose moves bytes.
+    codes = codes.to(torch.uint8)
+    if config.act_order:
+        inv = torch.argsort(perm)
+        codes, Wt = codes.index_select(0, inv), Wt.index_select(0, inv)
+    weight = Wt.T.contiguous()  # exactly scale * (code - zero), as computed in the loop
+    del Wt
+    sol = Solution(
+        weight=weight.to(W.dtype),
+        codes=codes.T.contiguous(),
+        scales=scales.T.contiguous(),
+        zeros=zeros.T.to(torch.int32).contiguous(),
+        g_idx=g_idx.to(torch.int32),
+        perm=perm.to(torch.int64),
+        loss=None,
+        damp=damp_used,
+        config=config,
+    )
     # The objective without another [rows, cols] x [cols, cols] product: GPTQ's final error is
     # Δ = Err U (permuted), so ½ tr(Δ H_d Δᵀ) = ½ ||Err||² exactly for the damped H_d = H + diag(added);
     # remove what the added diagonal contributed to get the objective on the caller's H.
-    delta_sq = (W.to(dtype) - sol.weight.to(dtype)).square_().sum(0, dtype=torch.float64)
+    delta_sq = (W.to(dtype) - weight).square_().sum(0, dtype=torch.float64)
     sol.loss = 0.5 * (float(Err.square().sum(dtype=torch.float64)) - float(added.double() @ delta_sq))
     return sol
 
@@ -308,43 +271,3 @@ def _natural_groups(W: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor,
     return torch.stack([p[0] for p in pairs], 1), torch.stack([p[1] for p in pairs], 1)
 
 
-def obq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
-    """Greedy Optimal Brain Quantization: each row picks its own order, one weight at a time.
-
-    At every step each row quantizes the remaining coordinate q with the least
-    (w_q - quant(w_q))² / [H⁻¹]_qq, moves its other remaining weights by the OBS update, and
-    removes q from its inverse Hessian by the rank-one deletion
-    H⁻¹ ← H⁻¹ - H⁻¹[:, q] H⁻¹[q, :] / [H⁻¹]_qq. Costs rows · cols³: a reference and research
-    option for small layers. Grid parameters are fitted up front on W's natural groups (the
-    greedy order has no group start); ``perm`` is the identity since each row has its own order.
-    """
-    _check(W, H, config)
-    rows, cols = W.shape
-    dtype = _work_dtype(W)
-    U, damp_used = inverse_factor(_prepare_hessian(H.to(W.device), dtype), config.damp, config.damp_max)
-    Hinv = (U.T @ U).expand(rows, cols, cols).clone()  # one inverse per row: rows choose apart
-    del U
-    w = W.to(dtype=dtype, copy=True)
-    scales, zeros = _natural_groups(w, config)
-    g_idx = grid.group_index(cols, config.group_size, W.device)
-    s_col, z_col = scales[:, g_idx], zeros[:, g_idx]
-    done = torch.zeros(rows, cols, dtype=torch.bool, device=W.device)
-    codes = torch.empty(rows, cols, dtype=dtype, device=W.device)
-    r = torch.arange(rows, device=W.device)
-    for _ in range(cols):
-        q_all = grid.quantize(w, s_col, z_col, config.maxq)
-        d = Hinv.diagonal(dim1=1, dim2=2)
-        score = (w - grid.dequantize(q_all, s_col, z_col)).square() / d
-        q = score.masked_fill(done, float("inf")).argmin(dim=1)
-        codes[r, q] = q_all[r, q]
-        dq = grid.dequantize(q_all[r, q], s_col[r, q], z_col[r, q])
-        d_q = d[r, q]
-        col = Hinv[r, :, q]  # [rows, cols]: H⁻¹ e_q of each row
-        w -= ((w[r, q] - dq) / d_q).unsqueeze(1) * col
-        w[r, q] = dq  # exact: the update above lands there up to rounding
-        Hinv -= col.unsqueeze(2) * (Hinv[r, q, :] / d_q.unsqueeze(1)).unsqueeze(1)
-        done[r, q] = True
-        # Deleted coordinates keep a unit diagonal so later divisions stay finite (masked anyway).
-        Hinv[r, q, q] = 1.0
-    perm = torch.arange(cols, device=W.device)
-    return _solution(W, H, codes, scales, zeros, g_idx, perm, damp_used, config)
