@@ -14,7 +14,7 @@ class FactorizationError(ValueError):
 def all_finite(t: torch.Tensor) -> bool:
     # One reduction instead of an elementwise isfinite pass over a d x d matrix; a non-finite
     # sum (NaN/Inf present, or an overflow) falls back to the exact elementwise test.
-    return bool(torch.isfinite(t.sum(dtype=torch.float64))) or bool(torch.isfinite(t).all())
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def inverse_factor(
@@ -35,7 +35,7 @@ def inverse_factor(
     natural column order).
     """
     n = H.shape[0]
-    if not bool(torch.isfinite(H.sum(dtype=torch.float64))):
+    if not all_finite(H):
         raise FactorizationError("the Hessian contains NaN or Inf values; check the calibration inputs")
     diag = H.diagonal().to(dtype)
     dead = diag == 0
@@ -58,7 +58,7 @@ def inverse_factor(
         if int(info) == 0:
             J = torch.eye(n, dtype=dtype, device=H.device).flip(0)
             U = torch.linalg.solve_triangular(L, J, upper=False).flip(0)  # J L⁻¹ J
-            if bool(torch.isfinite(U.sum(dtype=torch.float64))):
+            if all_finite(U):
                 return U, fraction, added + fraction * mean_diag
         if fraction >= damp_max:
             break
