@@ -1,0 +1,220 @@
+"""``optq quantize MODEL -o OUT``: quantize a model end to end and write it with its report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from . import CliError
+
+__all__ = ["register", "run", "config_from_args"]
+
+DEFAULT_CALIB = "enwiki"
+REPORT_FILES = ("report.json", "quantization_report.json")  # ours; the checkpoint writer's
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``quantize`` subcommand."""
+    p = subparsers.add_parser(
+        "quantize",
+        help="quantize a causal LM with GPTQ and write it with its report",
+        description="Quantize the linear layers of a causal LM's decoder blocks with GPTQ, one "
+        "block at a time, and write the quantized model and report.json to OUT.",
+    )
+    p.add_argument("model", metavar="MODEL", help="hub id, local folder, .gguf file or built-in name")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
+    g = p.add_argument_group("quantization (one flag per QuantConfig field)")
+    g.add_argument("--bits", type=int, default=4, help="code width, 2..8 (default 4)")
+    g.add_argument("--group-size", type=int, default=128,
+                   help="input channels per scale/zero; -1 = per output channel (default 128)")
+    sym = g.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True,
+                     help="symmetric grid (default)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid")
+    g.add_argument("--act-order", action="store_true", help="quantize columns by descending H diagonal")
+    g.add_argument("--static-groups", action="store_true",
+                   help="with --act-order, fit group grids up front (g_idx stays k // group size)")
+    g.add_argument("--damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
+    g.add_argument("--damp-max", type=float, default=1.0,
+                   help="largest damping tried when H cannot be factorised (default 1.0)")
+    g.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block width")
+    g.add_argument("--mse", action="store_true", help="search shrunken grid ranges (slower)")
+    g.add_argument("--mse-grid", type=int, default=100, help="shrink steps of the --mse search")
+    g.add_argument("--mse-maxshrink", type=float, default=0.8, help="largest range cut by --mse")
+    g.add_argument("--mse-norm", type=float, default=2.0, help="error exponent of --mse")
+    c = p.add_argument_group("calibration and run")
+    c.add_argument("--calib", default=DEFAULT_CALIB, metavar="NAME|FILE",
+                   help=f"built-in corpus name, .txt or .jsonl file (default {DEFAULT_CALIB})")
+    c.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
+    c.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the window draw (default 0)")
+    c.add_argument("--propagate", choices=("quantized", "original"), default="quantized",
+                   help="next block's inputs from the quantized (default) or original model")
+    c.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="default gptq")
+    c.add_argument("--strategy", choices=("pause", "replay"), default="pause",
+                   help="pause: one block forward per block, more memory (default); "
+                   "replay: re-run the block per group, about 2x slower, least memory")
+    c.add_argument("--device", default=None, help="compute device, e.g. cpu or cuda (default: the model's)")
+    c.add_argument("--batch-size", type=int, default=16, help="windows per block forward (default 16)")
+    c.add_argument("--include", action="append", metavar="PATTERN",
+                   help="quantize only matching linears (wildcards or re:REGEX; repeatable)")
+    c.add_argument("--exclude", action="append", metavar="PATTERN", help="skip matching linears")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The QuantConfig the flags describe (a user error becomes a CliError)."""
+    from ..config import QuantConfig
+
+    try:
+        return QuantConfig(
+            bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
+            static_groups=args.static_groups, damp=args.damp, damp_max=args.damp_max,
+            block_size=args.block_size, mse=args.mse, mse_grid=args.mse_grid,
+            mse_maxshrink=args.mse_maxshrink, mse_norm=args.mse_norm,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _load_model(name: str) -> tuple[Any, Any]:
+    try:
+        from ..zoo import known_models, load_model
+    except ImportError:  # an optq without the model zoo: plain transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        return AutoModelForCausalLM.from_pretrained(name).float().eval(), AutoTokenizer.from_pretrained(name)
+    try:
+        return load_model(name)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CliError(
+            f"cannot load model {name!r}: {exc} (give a model folder, a .gguf file, a hub id, or "
+            f"a built-in name: {', '.join(known_models())})"
+        ) from None
+
+
+def _calibration_tokens(source: str, tokenizer: Any) -> Any:
+    try:
+        from ..data import load_tokens
+    except ImportError:  # an optq without the corpora: a plain text file
+        import torch
+
+        path = Path(source)
+        if not path.is_file():
+            raise CliError(f"calibration file {source!r} does not exist") from None
+        ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+    try:
+        return load_tokens(source, tokenizer, "calib")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CliError(f"cannot read calibration data {source!r}: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the subcommand; returns the exit code."""
+    out = Path(args.output)
+    if out.exists() and not args.overwrite:
+        raise CliError(f"output folder {out} exists; pass --overwrite to replace it")
+    config = config_from_args(args)
+    from ..pipeline import quantize
+
+    t0 = time.perf_counter()
+    model, tokenizer = _load_model(args.model)
+    load_s = time.perf_counter() - t0
+    tokens = _calibration_tokens(args.calib, tokenizer)
+    try:
+        report = quantize(
+            model, tokens, config, propagate=args.propagate, nsamples=args.nsamples,
+            seqlen=args.seqlen, seed=args.seed, include=args.include, exclude=args.exclude,
+            device=args.device, progress=not args.no_progress, batch_size=args.batch_size,
+            method=args.method, strategy=args.strategy,
+        )
+    except ValueError as exc:  # bad calibration, patterns, ranges; FactorizationError included
+        raise CliError(str(exc)) from None
+    report.options.update(model=args.model, calib=args.calib, load_seconds=load_s)
+    _write(out, model, tokenizer, report, overwrite=args.overwrite)
+    print(summary(report))
+    print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all, {load_s:.1f} s loading)")
+    return 0
+
+
+def _write(out: Path, model: Any, tokenizer: Any, report: Any, *, overwrite: bool) -> None:
+    # Written under a hidden temporary name and renamed at the end: an interrupted or failed run
+    # leaves no folder that looks like a finished model.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        try:
+            from ..checkpoint import save
+        except ImportError:
+            save = None
+        if save is not None:
+            save(model, tmp, solutions=report.solutions, tokenizer=tokenizer, report=report)
+        else:
+            _save_plain(model, tokenizer, tmp)
+        if not any((tmp / n).exists() for n in REPORT_FILES):
+            report.save_json(tmp / REPORT_FILES[0])
+        old = None
+        if out.exists():
+            if not overwrite:
+                raise CliError(f"output folder {out} appeared meanwhile; pass --overwrite to replace it")
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_plain(model: Any, tokenizer: Any, folder: Path) -> None:
+    """A plain Hugging Face folder of the fake-quantized fp weights (before optq.checkpoint)."""
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None:  # a GGUF origin: now plain fp
+        del config.quantization_config
+    config.save_pretrained(str(folder))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+
+
+def summary(report: Any) -> str:
+    """A table of the report, one row per kind of layer (e.g. self_attn.q_proj) over all blocks."""
+    kinds: dict[str, list[Any]] = {}
+    for name, row in report.layers.items():
+        kinds.setdefault(".".join(name.split(".")[-2:]), []).append(row)
+    head = f"{'layer':<22}{'count':>6}{'objective':>12}{'rtn':>12}{'obj/rtn':>9}{'worst':>8}{'rel err':>10}"
+    lines = [head, "-" * len(head)]
+    for kind, rows in kinds.items():
+        ratios = [r.objective / r.rtn_objective for r in rows if r.rtn_objective > 0]
+        mean = sum(ratios) / len(ratios) if ratios else float("nan")
+        worst = max(ratios, default=float("nan"))
+        lines.append(
+            f"{kind:<22}{len(rows):>6}{sum(r.objective for r in rows) / len(rows):>12.4g}"
+            f"{sum(r.rtn_objective for r in rows) / len(rows):>12.4g}{mean:>9.3f}{worst:>8.3f}"
+            f"{sum(r.relative_error for r in rows) / len(rows):>10.2e}"
+        )
+    t = report.totals
+    ratio = t["mean_objective_ratio"]
+    lines.append("-" * len(head))
+    lines.append(
+        f"{t['layers']} layers in {t['blocks']} blocks, {t['parameters']:,} weights, "
+        f"mean objective / round-to-nearest = {ratio:.3f}" if ratio is not None else
+        f"{t['layers']} layers in {t['blocks']} blocks"
+    )
+    lines.append(f"layers worse than round-to-nearest: {t['layers_worse_than_rtn']}; "
+                 f"quantize time {report.seconds:.1f} s")
+    for name, why in {**report.skipped, **report.fallbacks}.items():
+        lines.append(f"note: {name}: {why}")
+    return "\n".join(lines)

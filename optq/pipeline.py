@@ -1,0 +1,226 @@
+"""Quantize a whole causal LM, one decoder block at a time: ``optq.quantize``.
+
+For each block: find the linears and group them by the input they share (q/k/v, then o, then
+gate/up, then down in a Llama block); for each group in that order, run the calibration batches
+through the block up to that group, accumulate ONE Hessian of the group's input, solve all of
+the group's weights together (their rows stacked: GPTQ treats rows independently and they share
+H), and write the quantized weights back, so the next group sees the effect of the earlier ones.
+The block's outputs then become the next block's inputs (``optq.block`` does one block).
+
+Memory: the model stays where it is; only the current block is moved to ``device``. Besides the
+model, the peak is about (T = nsamples x seqlen calibration tokens, float32 activations)
+
+    2 x T x hidden x 4 bytes                   block inputs and outputs, held once
+  + T x (intermediate + 2 x hidden) x 4 bytes  strategy="pause" only: every batch's paused
+                                               forward (at worst inside the MLP)
+  + batch_size x seqlen x intermediate x 4     strategy="replay": one batch's intermediates
+  + one block's parameters on ``device``       when the model lives elsewhere
+  + K^2 x 4 bytes per Hessian and a solve's workspace (a few K^2 + N K)
+
+e.g. for SmolLM2-135M at 128 x 512 tokens: 0.3 GB of inputs/outputs and 0.7 GB of paused
+forwards (replay: 25 MB), beside the 0.5 GB model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import capture, model as model_util
+from .block import quantize_block
+from .calibration import calibration_samples, make_batches
+from .config import QuantConfig
+from .report import Report
+
+__all__ = ["quantize", "Report"]
+
+log = logging.getLogger("optq.pipeline")
+
+PROPAGATE = ("quantized", "original")
+METHODS = ("gptq", "rtn")
+STRATEGIES = ("pause", "replay")
+
+
+def quantize(
+    model: nn.Module,
+    calibration: Any,
+    config: QuantConfig,
+    *,
+    propagate: str = "quantized",
+    tokenizer: Any = None,
+    nsamples: int | None = None,
+    seqlen: int | None = None,
+    seed: int = 0,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    batch_size: int = 16,
+    method: str = "gptq",
+    strategy: str = "pause",
+) -> Report:
+    """Quantize the linears of ``model``'s decoder blocks in place; returns a ``Report``.
+
+    Example::
+
+        >>> report = optq.quantize(model, token_ids, optq.QuantConfig(bits=4, group_size=128))
+        >>> report.totals["mean_objective_ratio"]   # GPTQ / round-to-nearest, below 1
+
+    Args:
+        calibration: token ids (LongTensor [n, seqlen], a list of 1-D LongTensors, or a 1-D
+            token stream to draw ``nsamples`` windows of ``seqlen`` from with ``seed``), or text
+            (a string or list of strings) together with ``tokenizer``.
+        propagate: "quantized" (each block calibrates on the outputs of the already quantized
+            blocks, so later layers compensate earlier errors) or "original" (every block's
+            inputs come from the unquantized model, the plain layer-wise method). Inside a block
+            the groups are sequential either way. Cost per block with strategy="pause": one
+            block forward over the calibration set for "quantized", two for "original" (its
+            outputs are computed from the unquantized block first).
+        include / exclude: module-name patterns (wildcards like ``*.mlp.*``, or ``re:REGEX``)
+            selecting which block linears to quantize. Embeddings and the head are never touched.
+        device: where each block is computed ("cuda" quantizes a CPU-resident model on a GPU);
+            default: where the model's blocks are.
+        batch_size: calibration samples per block forward (results depend on it only through
+            floating-point summation order).
+        method: "gptq", or "rtn" (round-to-nearest; the report still measures it on H).
+        strategy: "pause" (every batch's block forward pauses at each group's input while the
+            group is solved, then resumes: one forward per block, but all batches' intermediate
+            tensors stay alive meanwhile) or "replay" (the block is re-run from its input for
+            each group: about 2.5 forwards per block, memory only for the activations). Both
+            give the same weights.
+    """
+    if propagate not in PROPAGATE:
+        raise ValueError(f"propagate={propagate!r} is not one of {PROPAGATE}")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be an optq.QuantConfig, not {type(config).__name__}")
+    start = time.perf_counter()
+    blocks_name, blocks = model_util.find_blocks(model)
+    all_linears = {
+        name: lin
+        for i, blk in enumerate(blocks)
+        for name, lin in model_util.find_linears(blk, f"{blocks_name}.{i}").items()
+    }
+    if not all_linears:
+        raise ValueError(f"{type(model).__name__} has no linear layers in its decoder blocks")
+    targets = set(model_util.select_names(list(all_linears), include, exclude))
+    if not targets:
+        raise ValueError("include/exclude left no linear layer to quantize")
+    cfg = getattr(model, "config", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    samples = calibration_samples(
+        calibration,
+        tokenizer=tokenizer,
+        nsamples=nsamples,
+        seqlen=seqlen,
+        seed=seed,
+        vocab_size=getattr(emb, "num_embeddings", None),
+        max_positions=getattr(cfg, "max_position_embeddings", None),
+    )
+    batches = make_batches(samples, batch_size)
+    home = next(blocks[0].parameters()).device
+    try:
+        device = torch.device(device) if device is not None else home
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); use e.g. 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} asked, but this torch has no usable CUDA; use 'cpu'")
+    options = {
+        "method": method,
+        "propagate": propagate,
+        "strategy": strategy,
+        "nsamples": len(samples),
+        "seqlen": max(s.numel() for s in samples),
+        "tokens": sum(s.numel() for s in samples),
+        "seed": seed,
+        "batch_size": batch_size,
+        "device": str(device),
+        "include": include,
+        "exclude": exclude,
+        "blocks": blocks_name,
+    }
+    log.info("quantizing %d linears in %d blocks of %s on %d x %d tokens (%s, %s)",
+             len(targets), len(blocks), blocks_name, len(samples), options["seqlen"], method, propagate)
+    was_training = model.training
+    model.eval()
+    report = Report(layers={}, config=config.to_dict(), options=options, versions=_versions(),
+                    seconds=0.0, block_seconds=[])
+    try:
+        with torch.no_grad():
+            hidden, calls = capture.capture_inputs(model, blocks, batches, device)
+            _loop(blocks_name, blocks, hidden, calls, targets, config, {**options, "device": device},
+                  progress, report)
+    finally:
+        model.train(was_training)
+    report.seconds = time.perf_counter() - start
+    t = report.totals
+    ratio = t["mean_objective_ratio"]
+    log.info("done in %.1f s: %d layers, mean objective ratio to round-to-nearest %s",
+             report.seconds, t["layers"], "n/a" if ratio is None else f"{ratio:.4f}")
+    return report
+
+
+def _loop(
+    blocks_name: str,
+    blocks: nn.ModuleList,
+    hidden: list[torch.Tensor],
+    calls: list[list[capture.Call]],
+    targets: set[str],
+    config: QuantConfig,
+    opts: dict[str, Any],
+    progress: bool,
+    report: Report,
+) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(blocks), desc="optq", unit="block", disable=not progress)
+    try:
+        for i, block in enumerate(blocks):
+            t0 = time.perf_counter()
+            home = next(block.parameters()).device
+            block.to(opts["device"])
+            outputs = quantize_block(f"{blocks_name}.{i}", block, hidden, calls[i], targets, config, opts,
+                             report, bar)
+            # The outputs replace the inputs: activations are held once, never per layer.
+            hidden[:] = outputs
+            del outputs
+            block.to(home)
+            _settle_solutions(f"{blocks_name}.{i}", block, home, report)
+            report.block_seconds.append(time.perf_counter() - t0)
+            log.debug("block %d done in %.2f s", i, report.block_seconds[-1])
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _settle_solutions(prefix: str, block: nn.Module, home: torch.device, report: Report) -> None:
+    # Solutions live beside the model, not on the compute device, and their dequantized weight
+    # is the module's own weight tensor (a view): no second copy of the model is kept.
+    for name, mod in model_util.find_linears(block, prefix).items():
+        sol = report.solutions.get(name)
+        if sol is None:
+            continue
+        sol.weight = model_util.get_weight(mod)
+        for field in ("codes", "scales", "zeros", "g_idx", "perm"):
+            setattr(sol, field, getattr(sol, field).to(home))
+
+
+def _versions() -> dict[str, str]:
+    from . import __version__
+
+    out = {"optq": __version__, "torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
