@@ -60,7 +60,8 @@ def quantize_block(
                      prefix, ", ".join(plan.repeated))
         for k, subset in enumerate(plan.subsets):
             t0 = time.perf_counter()
-            hess = Hessian(_in_features(linears[subset[0]]), device=linears[subset[0]].weight.device)
+            hess = Hessian(_in_features(linears[subset[0]]), device=linears[subset[0]].weight.device,
+                           normalize_tokens=config.normalize_tokens)
             capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess)
             solve(k, subset, hess, t0)
         return original if original is not None else _forward(block, hidden, calls)
@@ -69,7 +70,8 @@ def quantize_block(
     with PausedForwards(block, stops, hidden, calls, trim_memory=on_cpu) as paused:
         for k, subset in enumerate(plan.subsets):
             t0 = time.perf_counter()
-            hess = Hessian(_in_features(linears[subset[0]]), device=linears[subset[0]].weight.device)
+            hess = Hessian(_in_features(linears[subset[0]]), device=linears[subset[0]].weight.device,
+                           normalize_tokens=config.normalize_tokens)
             paused.advance(k, hess)
             solve(k, subset, hess, t0)
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,

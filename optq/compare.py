@@ -28,9 +28,10 @@ __all__ = ["Variant", "parse_variant", "compare", "VARIANT_HELP"]
 log = logging.getLogger("optq.compare")
 
 VARIANT_HELP = (
-    "fp | rtn | gptq, each optionally followed by +modifiers: +act_order, +static_groups (implies "
-    "act_order), +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
-    "(group size), +b<N> (bits), +damp<X>; e.g. gptq+act_order+static_groups, rtn+mse, gptq+g64"
+    "fp | rtn | gptq, each optionally followed by +modifiers: +plain (textbook GPTQ: no act-order, "
+    "no token normalisation), +no_act_order, +no_norm, +act_order (dynamic groups), "
+    "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
+    "(group size), +b<N> (bits), +damp<X>; e.g. gptq+plain, rtn+mse, gptq+g64"
 )
 
 
@@ -57,7 +58,13 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
     propagate = "quantized"
     for mod in mods:
         if mod == "act_order":
-            changes["act_order"] = True
+            changes.update(act_order=True, static_groups=False)
+        elif mod == "no_act_order":
+            changes.update(act_order=False, static_groups=False)
+        elif mod == "no_norm":
+            changes["normalize_tokens"] = False
+        elif mod == "plain":
+            changes.update(act_order=False, static_groups=False, normalize_tokens=False)
         elif mod == "static_groups":
             changes.update(act_order=True, static_groups=True)
         elif mod == "mse":
@@ -72,7 +79,7 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             changes["damp"] = float(mod[4:])
         else:
             raise ValueError(f"unknown modifier {mod!r} in {spec!r}: {VARIANT_HELP}")
-    if method == "rtn" and (changes.get("act_order") or propagate == "original"):
+    if method == "rtn" and (mods and set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}):
         raise ValueError(f"{spec!r}: act-order and propagation modes apply to gptq only")
     return Variant(name=spec.strip(), method=method, config=dataclasses.replace(base, **changes), propagate=propagate)
 

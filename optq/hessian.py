@@ -11,7 +11,8 @@ class Hessian:
     """Running sum of x xᵀ over calibration tokens for one linear layer's input.
 
     ``update`` takes inputs of any leading shape ``[..., in_features]``; every row of the
-    flattened input is one token. The sum (not a running mean) is kept, so ``merge`` of two
+    flattened input is one token. With ``normalize_tokens`` each token is scaled to unit RMS
+    first, so the objective weighs every token equally (see QuantConfig.normalize_tokens). The sum (not a running mean) is kept, so ``merge`` of two
     accumulators is exactly the accumulator of the union of their inputs, up to float
     summation order; this is what data-parallel calibration all-reduces.
 
@@ -29,6 +30,7 @@ class Hessian:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        normalize_tokens: bool = False,
     ) -> None:
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive integer, got {in_features!r}")
@@ -36,6 +38,7 @@ class Hessian:
             raise ValueError(f"Hessian accumulates in float32 or float64, not {dtype}")
         self.in_features = in_features
         self.dtype = dtype
+        self.normalize_tokens = normalize_tokens
         self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.count = 0
 
@@ -56,6 +59,11 @@ class Hessian:
                 f"calibration input contains {bad} NaN/Inf values (of {x.numel()}); the model "
                 "overflows on this data: check its dtype (use float32) and the inputs"
             )
+        if self.normalize_tokens:
+            # Every token at unit RMS: each weighs the same in the objective, instead of in
+            # proportion to its squared norm (a few massive-activation tokens otherwise own H).
+            rms = x.pow(2).mean(dim=1, keepdim=True).sqrt_()
+            x = x / torch.where(rms > 0, rms, torch.ones_like(rms))
         # sum += xᵀ x, in place, without materialising the product separately.
         self.sum.addmm_(x.T, x)
         self.count += x.shape[0]
@@ -64,6 +72,8 @@ class Hessian:
         """Add another accumulator's tokens into this one (in place); returns self."""
         if not isinstance(other, Hessian) or other.in_features != self.in_features:
             raise ValueError("can only merge a Hessian of the same in_features")
+        if other.normalize_tokens != self.normalize_tokens:
+            raise ValueError("cannot merge Hessians with different normalize_tokens settings")
         self.sum += other.sum.to(device=self.sum.device, dtype=self.dtype)
         self.count += other.count
         return self
@@ -75,4 +85,5 @@ class Hessian:
         return self.sum * (2.0 / self.count)
 
     def __repr__(self) -> str:
-        return f"Hessian(in_features={self.in_features}, count={self.count}, dtype={self.dtype})"
+        return (f"Hessian(in_features={self.in_features}, count={self.count}, dtype={self.dtype}, "
+                f"normalize_tokens={self.normalize_tokens})")

@@ -51,13 +51,13 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
 CASES = [
-    (dict(bits=2, group_size=32), "gptq"),
-    (dict(bits=3, group_size=32), "gptq"),
-    (dict(bits=4, group_size=32), "gptq"),
-    (dict(bits=8, group_size=-1), "gptq"),
-    (dict(bits=4, group_size=32, act_order=True), "gptq"),
+    (dict(bits=2, group_size=32, act_order=False), "gptq"),
+    (dict(bits=3, group_size=32, act_order=False), "gptq"),
+    (dict(bits=4, group_size=32, act_order=False), "gptq"),
+    (dict(bits=8, group_size=-1, act_order=False), "gptq"),
+    (dict(bits=4, group_size=32, act_order=True, static_groups=False), "gptq"),
     (dict(bits=4, group_size=32, act_order=True, static_groups=True), "gptq"),
-    (dict(bits=3, group_size=32, sym=False, act_order=True), "gptq_v2"),
+    (dict(bits=3, group_size=32, sym=False, act_order=True, static_groups=False), "gptq_v2"),
 ]
 
 
@@ -258,7 +258,7 @@ def test_compressed_tensors_decompressor_reads_our_export(tmp_path: Path, cfg: d
 
 def test_compressed_tensors_refuses_dynamic_act_order(tmp_path: Path) -> None:
     model = _tiny_llama()
-    sols = _quantize(model, optq.QuantConfig(bits=4, group_size=32, act_order=True))
+    sols = _quantize(model, optq.QuantConfig(bits=4, group_size=32, act_order=True, static_groups=False))
     with pytest.raises(CheckpointError, match="static_groups=True"):
         optq.save(model, tmp_path / "q", solutions=sols, format="compressed-tensors")
     assert not (tmp_path / "q").exists()

@@ -61,3 +61,18 @@ def test_bad_inputs_are_named():
 
 def test_empty_hessian_is_zero():
     assert torch.equal(optq.Hessian(3).matrix(), torch.zeros(3, 3))
+
+
+def test_normalized_tokens_weigh_equally():
+    x = torch.randn(40, 6, dtype=torch.float64)
+    x[3] *= 1000.0  # one massive-activation token
+    h = optq.Hessian(6, dtype=torch.float64, normalize_tokens=True)
+    h.update(x)
+    unit = x / x.pow(2).mean(1, keepdim=True).sqrt()
+    assert torch.allclose(h.matrix(), 2 * unit.T @ unit / 40, rtol=1e-12)
+    plain = optq.Hessian(6, dtype=torch.float64)
+    plain.update(x)
+    # the massive token owns the plain Hessian, not the normalised one
+    assert plain.matrix().trace() > 1e4 * h.matrix().trace()
+    with pytest.raises(ValueError, match="normalize_tokens"):
+        h.merge(plain)

@@ -79,7 +79,7 @@ def test_layer_objective_matches_the_first_block_hessian():
     fp = build("llama")
     calib = tokens(n=6, seqlen=16)
     q_proj = fp.model.layers[0].self_attn.q_proj
-    H = optq.Hessian(q_proj.in_features)
+    H = optq.Hessian(q_proj.in_features, normalize_tokens=CFG.normalize_tokens)
     handle = q_proj.register_forward_pre_hook(lambda m, a: H.update(a[0]))
     with torch.no_grad():
         fp(input_ids=calib, use_cache=False)

@@ -35,9 +35,13 @@ def register(subparsers: Any) -> None:
     sym.add_argument("--sym", dest="sym", action="store_true", default=True,
                      help="symmetric grid (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid")
-    g.add_argument("--act-order", action="store_true", help="quantize columns by descending H diagonal")
-    g.add_argument("--static-groups", action="store_true",
-                   help="with --act-order, fit group grids up front (g_idx stays k // group size)")
+    g.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="quantize columns by descending H diagonal (default on)")
+    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --act-order, fit group grids up front so g_idx stays k // group size "
+                   "(default: on with --act-order)")
+    g.add_argument("--normalize-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="every calibration token at unit RMS in the Hessian (default on)")
     g.add_argument("--damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
     g.add_argument("--damp-max", type=float, default=1.0,
                    help="largest damping tried when H cannot be factorised (default 1.0)")
@@ -75,7 +79,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     try:
         return QuantConfig(
             bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
-            static_groups=args.static_groups, damp=args.damp, damp_max=args.damp_max,
+            static_groups=args.act_order if args.static_groups is None else args.static_groups,
+            damp=args.damp, damp_max=args.damp_max, normalize_tokens=args.normalize_tokens,
             block_size=args.block_size, mse=args.mse, mse_grid=args.mse_grid,
             mse_maxshrink=args.mse_maxshrink, mse_norm=args.mse_norm,
         )
