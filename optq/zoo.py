@@ -255,11 +255,6 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
 
     where = resolve_model(name_or_path)
     if isinstance(where, Path) and _gptq_folder(where):
-        if importlib.util.find_spec("optq.checkpoint") is None:
-            raise RuntimeError(
-                f"{where} holds a GPTQ checkpoint, but this optq has no checkpoint loader "
-                "(optq.checkpoint); update optq to open it"
-            )
         from . import checkpoint
 
         model = checkpoint.load(str(where))

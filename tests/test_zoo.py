@@ -103,13 +103,21 @@ def test_gptq_folder_goes_through_optq_load(tiny, monkeypatch):
     assert model is sentinel and not model.training
 
 
-def test_gptq_folder_without_loader_is_a_clear_error(tiny, monkeypatch):
-    cfg = json.loads((tiny / "config.json").read_text())
-    (tiny / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq"}}))
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "optq.checkpoint" else real(n, *a))
-    with pytest.raises(RuntimeError, match="GPTQ checkpoint, but this optq has no checkpoint loader"):
-        zoo.load_model(tiny)
+def test_a_folder_saved_by_optq_loads_as_quantized_modules(tiny, tmp_path):
+    import optq
+    from optq.nn import QuantLinear
+
+    model, tok = zoo.load_model(tiny)
+    calib = torch.randint(3, len(VOCAB), (4, 16), generator=torch.Generator().manual_seed(0))
+    report = optq.quantize(model, calib, optq.QuantConfig(bits=4, group_size=16), progress=False)
+    optq.save(model, tmp_path / "q", solutions=report.solutions, tokenizer=tok)
+    loaded, _ = zoo.load_model(tmp_path / "q")
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, QuantLinear)
+    for m in loaded.modules():
+        if isinstance(m, QuantLinear):
+            m.use_fast_path = False  # the exact path: compare against the fake-quantized model
+    with torch.no_grad():
+        assert torch.allclose(loaded(calib).logits, model(calib).logits, atol=1e-3)
 
 
 def test_eval_bos_rule(tiny, tmp_path):

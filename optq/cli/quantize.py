@@ -89,12 +89,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _load_model(name: str) -> tuple[Any, Any]:
-    try:
-        from ..zoo import known_models, load_model
-    except ImportError:  # an optq without the model zoo: plain transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..zoo import known_models, load_model
 
-        return AutoModelForCausalLM.from_pretrained(name).float().eval(), AutoTokenizer.from_pretrained(name)
     try:
         return load_model(name)
     except (OSError, ValueError, RuntimeError) as exc:
@@ -105,16 +101,8 @@ def _load_model(name: str) -> tuple[Any, Any]:
 
 
 def _calibration_tokens(source: str, tokenizer: Any) -> Any:
-    try:
-        from ..data import load_tokens
-    except ImportError:  # an optq without the corpora: a plain text file
-        import torch
+    from ..data import load_tokens
 
-        path = Path(source)
-        if not path.is_file():
-            raise CliError(f"calibration file {source!r} does not exist") from None
-        ids = tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.long)
     try:
         return load_tokens(source, tokenizer, "calib")
     except (OSError, ValueError, RuntimeError) as exc:
@@ -156,14 +144,9 @@ def _write(out: Path, model: Any, tokenizer: Any, report: Any, *, overwrite: boo
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        try:
-            from ..checkpoint import save
-        except ImportError:
-            save = None
-        if save is not None:
-            save(model, tmp, solutions=report.solutions, tokenizer=tokenizer, report=report)
-        else:
-            _save_plain(model, tokenizer, tmp)
+        from ..checkpoint import save
+
+        save(model, tmp, solutions=report.solutions, tokenizer=tokenizer, report=report)
         if not any((tmp / n).exists() for n in REPORT_FILES):
             report.save_json(tmp / REPORT_FILES[0])
         old = None
@@ -178,20 +161,6 @@ def _write(out: Path, model: Any, tokenizer: Any, report: Any, *, overwrite: boo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _save_plain(model: Any, tokenizer: Any, folder: Path) -> None:
-    """A plain Hugging Face folder of the fake-quantized fp weights (before optq.checkpoint)."""
-    from safetensors.torch import save_model
-
-    folder.mkdir(parents=True)
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if getattr(config, "quantization_config", None) is not None:  # a GGUF origin: now plain fp
-        del config.quantization_config
-    config.save_pretrained(str(folder))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(folder))
 
 
 def summary(report: Any) -> str:
