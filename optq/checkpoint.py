@@ -102,7 +102,9 @@ def gptq_config(layers: Mapping[str, QuantLinear], checkpoint_format: str) -> di
     sym = all(c.sym for c in configs) if configs else all(
         bool((q.zeros() == half).all()) for q in layers.values())
     natural = all(_is_natural(q) for q in layers.values())
-    desc_act = any(c.act_order for c in configs) or not natural
+    # desc_act tells loaders to reorder by g_idx; act-order with static groups keeps g_idx = k // g,
+    # so such a file is written as plain (no reordering, vLLM's fast kernels take it as is).
+    desc_act = not natural
     return {
         "quant_method": "gptq",
         "bits": first.bits,

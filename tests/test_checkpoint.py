@@ -81,7 +81,8 @@ def test_save_load_logits_match_in_memory_model(tmp_path: Path, cfg: dict, fmt: 
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc == json.loads((tmp_path / "q" / "quantize_config.json").read_text())
     assert (qc["bits"], qc["group_size"], qc["checkpoint_format"]) == (cfg["bits"], cfg["group_size"], fmt)
-    assert qc["desc_act"] == cfg.get("act_order", False) and qc["sym"] == cfg.get("sym", True)
+    dynamic = cfg.get("act_order", True) and not cfg.get("static_groups", cfg.get("act_order", True))
+    assert qc["desc_act"] == dynamic and qc["sym"] == cfg.get("sym", True)
     assert qc["meta"]["quantizer"] == [f"optq:{optq.__version__}"]
     assert json.loads((tmp_path / "q" / "quantization_report.json").read_text()) == {"note": "test"}
 
