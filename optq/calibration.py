@@ -19,16 +19,9 @@ def _windows(stream: torch.Tensor, nsamples: int, seqlen: int, seed: int) -> lis
             f"the calibration text has {stream.numel()} tokens, fewer than nsamples x seqlen = "
             f"{nsamples} x {seqlen} = {nsamples * seqlen}; give more text or lower nsamples/seqlen"
         )
-    try:
-        from .data import calibration_tokens  # the data module's protocol, once it exists
-    except ImportError:
-        calibration_tokens = None
-    if calibration_tokens is not None:
-        out = calibration_tokens(stream, nsamples, seqlen, seed)
-        return [row for row in torch.as_tensor(out).reshape(nsamples, seqlen)]
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, stream.numel() - seqlen + 1, (nsamples,), generator=gen)
-    return [stream[s : s + seqlen].clone() for s in starts.tolist()]
+    from .data import calibration_tokens  # the one seeded window protocol
+
+    return list(calibration_tokens(stream, nsamples, seqlen, seed))
 
 
 def _tokenize(texts: str | Sequence[str], tokenizer: Any) -> torch.Tensor:
