@@ -79,7 +79,7 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             changes["damp"] = float(mod[4:])
         else:
             raise ValueError(f"unknown modifier {mod!r} in {spec!r}: {VARIANT_HELP}")
-    if method == "rtn" and (mods and set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}):
+    if method == "rtn" and set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}:
         raise ValueError(f"{spec!r}: act-order and propagation modes apply to gptq only")
     return Variant(name=spec.strip(), method=method, config=dataclasses.replace(base, **changes), propagate=propagate)
 
@@ -151,7 +151,7 @@ def compare(
     for v in variants:
         model = copy.deepcopy(base_model)
         res = VariantResult(variant=v)
-        if v.method == "rtn" and v.propagate == "quantized":
+        if v.method == "rtn":
             # Round-to-nearest needs no calibration: round each block linear directly.
             t = time.perf_counter()
             res.totals = round_to_nearest(model, v.config)

@@ -7,7 +7,6 @@ import copy
 import importlib.util
 
 import pytest
-import torch
 
 import optq
 
