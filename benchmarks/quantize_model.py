@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import optq  # noqa: E402
+import transformers  # noqa: E402,F401  (imported up front: part of the runtime baseline)
 
 CALIB_CHARS = 2_000_000
 
@@ -33,6 +34,44 @@ CALIB_CHARS = 2_000_000
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_mb() -> float | None:
+    """Current resident set size (Linux /proc), else None."""
+    return _status_mb("VmRSS")
+
+
+def reset_peak() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM) at the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages (glibc) so the next phase starts from what is alive."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -53,22 +92,46 @@ def calibration(tokenizer, nsamples: int, seqlen: int, seed: int) -> torch.Tenso
     return calibration_tokens(stream, nsamples, seqlen, seed)
 
 
+def memory_terms(model: torch.nn.Module, report: optq.Report, args: argparse.Namespace) -> dict:
+    """The terms of the peak-memory formula in optq/pipeline.py, in MB, for this run."""
+    cfg = model.config
+    h, i = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+    tokens = args.nsamples * args.seqlen
+    batch_tokens = min(args.batch_size, args.nsamples) * args.seqlen
+    act = tokens * h * 4
+    weights = sum(int(r.shape[0]) * int(r.shape[1]) for r in report.layers.values())
+    terms = {
+        "model": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "activations": act,
+        "second_activations": act,  # replay: one child's recorded outputs; original: fp outputs
+        "batch_temporaries": batch_tokens * (3 * i + 3 * h) * 4,
+        "codes": weights,  # uint8, kept for saving the checkpoint
+    }
+    if args.strategy == "pause":
+        terms["paused_forwards"] = tokens * (i + 2 * h) * 4
+    return {k: v / 2**20 for k, v in terms.items()}
+
+
 def run_once(args: argparse.Namespace) -> dict:
     from optq.zoo import load_model
 
+    trim_heap()
+    runtime_mb = rss_mb()  # python, torch, transformers, optq: before any model or data
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.model)
     load_s = time.perf_counter() - t0
     calib = calibration(tokenizer, args.nsamples, args.seqlen, args.seed)
     config = optq.QuantConfig(bits=args.bits, group_size=args.group_size, sym=True, damp=0.01)
+    trim_heap()  # the tokenizer's garbage is not the quantizer's
+    quantize_peak = reset_peak()
     t1 = time.perf_counter()
     report = optq.quantize(model, calib, config, propagate=args.propagate, batch_size=args.batch_size,
                            strategy=args.strategy,
                            progress=not args.no_progress)
     quant_s = time.perf_counter() - t1
+    quantize_peak_mb = _status_mb("VmHWM") if quantize_peak else None
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    hidden = model.config.hidden_size
-    activations = 2 * args.nsamples * args.seqlen * hidden * 4
+    memory = memory_terms(model, report, args)
     t = report.totals
     return {
         "load_s": load_s,
@@ -77,8 +140,10 @@ def run_once(args: argparse.Namespace) -> dict:
         "block_s": report.block_seconds,
         "mean_block_s": sum(report.block_seconds) / len(report.block_seconds),
         "peak_rss_mb": peak_rss_mb(),
+        "quantize_peak_rss_mb": quantize_peak_mb,
+        "runtime_rss_mb": runtime_mb,
         "model_mb": params / 2**20,
-        "activations_mb": activations / 2**20,
+        "memory_terms_mb": memory,
         "mean_objective_ratio": t["mean_objective_ratio"],
         "objective": t["objective"],
         "rtn_objective": t["rtn_objective"],
@@ -90,6 +155,23 @@ def run_once(args: argparse.Namespace) -> dict:
     }
 
 
+def memory_rows(run: dict) -> list[tuple[str, str]]:
+    """The measured quantization peak against the formula's prediction and the target."""
+    terms, runtime, peak = run["memory_terms_mb"], run["runtime_rss_mb"], run["quantize_peak_rss_mb"]
+    rows = [("  formula terms", ", ".join(f"{k} {v:.0f}" for k, v in terms.items()) + " MB")]
+    if runtime is None:
+        return rows
+    predicted = runtime + sum(terms.values())
+    target = runtime + terms["model"] + terms["activations"] + terms["second_activations"]
+    rows.append(("  runtime (python+torch+transformers)", f"{runtime:.0f} MB"))
+    rows.append(("  predicted peak (runtime + terms)", f"{predicted:.0f} MB"))
+    if peak is not None:
+        rows.append(("  measured peak while quantizing", f"{peak:.0f} MB ({peak / predicted:.2f} of predicted)"))
+        rows.append(("  target: runtime + model + 2 x activations",
+                     f"{target:.0f} MB ({'met' if peak <= target else 'NOT met'})"))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -98,8 +180,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--strategy", default="pause", choices=("pause", "replay"))
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--strategy", default="replay", choices=("pause", "replay"))
     p.add_argument("--propagate", default="quantized", choices=("quantized", "original"))
     p.add_argument("--determinism", action="store_true", help="quantize twice, compare bytes")
     p.add_argument("--no-progress", action="store_true")
@@ -117,8 +199,8 @@ def main() -> int:
         ("quantize time", f"{first['quantize_s']:.1f} s"),
         ("wall time (load + quantize)", f"{first['wall_s']:.1f} s"),
         ("time per block (mean / max)", f"{first['mean_block_s']:.2f} s / {max(first['block_s']):.2f} s"),
-        ("peak RSS", f"{first['peak_rss_mb']:.0f} MB"),
-        ("fp32 model + activations", f"{first['model_mb']:.0f} MB + {first['activations_mb']:.0f} MB"),
+        ("peak RSS (whole process)", f"{first['peak_rss_mb']:.0f} MB"),
+        *memory_rows(first),
         ("mean GPTQ / RTN objective", f"{first['mean_objective_ratio']:.4f}"),
         ("layers worse than RTN", f"{first['layers_worse_than_rtn']} of {first['layers']}"),
         ("largest damping used", f"{first['max_damp']}"),

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import capture, model as model_util, solver
+from . import capture, memory, model as model_util, solver
 from .config import QuantConfig
 from .hessian import Hessian
+from .memo import Memo
 from .report import LayerReport, Report
 from .stepper import PausedForwards
 
@@ -35,15 +36,19 @@ def quantize_block(
     opts: dict[str, Any],
     report: Report,
     bar: Any,
-) -> list[torch.Tensor]:
-    """Quantize one block's targets; returns its outputs (the next block's inputs)."""
+) -> None:
+    """Quantize one block's targets; ``hidden`` (its inputs) is replaced by its outputs."""
     linears = model_util.find_linears(block, prefix)
     mine = [n for n in linears if n in targets]
+    release = memory.releaser(opts["device"])
     original = None
-    if opts["propagate"] == "original":
-        original = _forward(block, hidden, calls)
+    if opts["propagate"] == "original" and mine:
+        # The next block's inputs come from the unquantized block: computed first, held beside
+        # the inputs (the one mode that needs two copies of the activations).
+        original = [capture.run_block(block, h, c) for h, c in zip(hidden, calls)]
     if not mine:
-        return original if original is not None else _forward(block, hidden, calls)
+        _forward_in_place(block, hidden, calls, release)
+        return
     plan = capture.discover_subsets(block, linears, mine, hidden[0], calls[0])
     for name in plan.unused:
         report.skipped[name] = "never called in the block's forward on calibration data"
@@ -53,34 +58,60 @@ def quantize_block(
         _solve_subset(linears, subset, k, hess, config, opts["method"], report, t0)
         bar.set_postfix_str(_postfix(report, subset), refresh=False)
 
+    def new_hessian(subset: list[str]) -> Hessian:
+        first = linears[subset[0]]
+        return Hessian(_in_features(first), device=first.weight.device, normalize_tokens=config.normalize_tokens)
+
     if opts["strategy"] == "replay" or plan.repeated:
         if plan.repeated and opts["strategy"] != "replay":
             # A pause at the first call would solve before the later calls are seen.
             log.info("%s: %s called more than once per forward; replaying the block per group",
                      prefix, ", ".join(plan.repeated))
+        memo = Memo(block, prefix, list(linears), plan.order, mine)
         for k, subset in enumerate(plan.subsets):
             t0 = time.perf_counter()
-            hess = Hessian(_in_features(linears[subset[0]]), device=linears[subset[0]].weight.device,
-                           normalize_tokens=config.normalize_tokens)
-            capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess)
+            hess = new_hessian(subset)
+            with memo.replay_pass() as at_batch:
+                capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
+                                        before_batch=at_batch)
+            release()
             solve(k, subset, hess, t0)
-        return original if original is not None else _forward(block, hidden, calls)
+            release()  # the solver's workspace, before the next pass allocates
+            memo.solved(subset)
+        if original is not None:
+            hidden[:] = original
+        else:
+            with memo.replay_pass(last=True) as at_batch:
+                _forward_in_place(block, hidden, calls, release, at_batch)
+        return
     stops = [linears[s[0]] for s in plan.subsets]
-    on_cpu = torch.device(opts["device"]).type == "cpu"
-    with PausedForwards(block, stops, hidden, calls, trim_memory=on_cpu) as paused:
+    with PausedForwards(block, stops, hidden, calls, release=release) as paused:
         for k, subset in enumerate(plan.subsets):
             t0 = time.perf_counter()
-            hess = Hessian(_in_features(linears[subset[0]]), device=linears[subset[0]].weight.device,
-                           normalize_tokens=config.normalize_tokens)
+            hess = new_hessian(subset)
             paused.advance(k, hess)
             solve(k, subset, hess, t0)
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
         # computed from partly quantized layers, are not what propagates.
-        return original if original is not None else paused.finish()
+        hidden[:] = original if original is not None else paused.finish()
 
 
-def _forward(block: nn.Module, hidden: list[torch.Tensor], calls: list[capture.Call]) -> list[torch.Tensor]:
-    return [capture.run_block(block, h, c) for h, c in zip(hidden, calls)]
+def _forward_in_place(block: nn.Module, hidden: list[torch.Tensor], calls: list[capture.Call],
+                      release: Callable[[], None],
+                      before_batch: Callable[[int], None] | None = None) -> None:
+    # Each batch's output overwrites its input as soon as it exists: the activations are held
+    # once plus one batch, and in the same buffers for the whole run (no new long-lived
+    # allocations between a pass's temporaries, which would fragment the heap).
+    for b, call in enumerate(calls):
+        if before_batch is not None:
+            before_batch(b)
+        out = capture.run_block(block, hidden[b], call)
+        if out.shape == hidden[b].shape and out.dtype == hidden[b].dtype and out.device == hidden[b].device:
+            hidden[b].copy_(out)
+        else:
+            hidden[b] = out
+        del out
+    release()
 
 
 def _in_features(module: nn.Module) -> int:
@@ -156,8 +187,15 @@ def _solve_subset(
 
 def _row_objectives(W: torch.Tensor, W_hat: torch.Tensor | None, H: torch.Tensor) -> torch.Tensor:
     """Per-row terms of ``optq.objective(W, W_hat, H)``: ½ δ_r H δ_rᵀ (δ = W - W_hat), float64."""
-    delta = W.to(H.dtype) if W_hat is None else W.to(H.dtype) - W_hat.to(H.dtype)
-    return 0.5 * ((delta @ H) * delta).sum(dim=1, dtype=torch.float64)
+    out = torch.empty(W.shape[0], dtype=torch.float64, device=W.device)
+    step = max(1, (1 << 20) // max(1, W.shape[1]))  # rows per chunk: temporaries of ~8 MB, not of W's size
+    for lo in range(0, W.shape[0], step):
+        hi = lo + step
+        delta = W[lo:hi].to(H.dtype)
+        if W_hat is not None:
+            delta = delta - W_hat[lo:hi].to(H.dtype)
+        out[lo:hi] = ((delta @ H) * delta).sum(dim=1, dtype=torch.float64)
+    return out.mul_(0.5)
 
 
 def _rows(sol: solver.Solution, lo: int, hi: int) -> solver.Solution:

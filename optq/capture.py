@@ -218,36 +218,34 @@ def collect_hessian(
     hidden: Sequence[torch.Tensor],
     calls: Sequence[Call],
     hessian: Hessian,
+    *,
+    before_batch: Callable[[int], None] | None = None,
 ) -> None:
     """Replay every batch through ``block``, adding the input of ``subset`` to ``hessian``.
 
-    All members of a subset share one input, so only the first member's is accumulated. Each
-    forward stops at the first linear call after the subset's last one: the rest of the block
-    cannot change what the subset sees.
+    All members of a subset share one input, so only the first member's is accumulated, and
+    each forward stops right after that member's last call: the rest of the block cannot change
+    what the subset sees. ``before_batch(b)`` is called before batch ``b``'s forward.
     """
     rep = subset[0]
-    last = max(i for i, n in enumerate(order) if n in subset)
-    stop_at = last + 1 if last + 1 < len(order) else None
-    counter = [0]
+    calls_per_forward = sum(1 for n in order if n == rep)
+    seen = [0]
 
-    def hook(name: str) -> Callable:
-        def pre(_m: nn.Module, args: tuple) -> None:
-            if counter[0] == stop_at:
-                raise _Stop
-            counter[0] += 1
-            if name == rep:
-                hessian.update(args[0])
+    def pre(_m: nn.Module, args: tuple) -> None:
+        hessian.update(args[0])
+        seen[0] += 1
+        if seen[0] == calls_per_forward:
+            raise _Stop
 
-        return pre
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    handle = linears[rep].register_forward_pre_hook(pre)
     try:
-        for h, call in zip(hidden, calls):
-            counter[0] = 0
+        for b, (h, call) in enumerate(zip(hidden, calls)):
+            seen[0] = 0
+            if before_batch is not None:
+                before_batch(b)
             try:
                 run_block(block, h, call)
             except _Stop:
                 pass
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()

@@ -52,20 +52,24 @@ class Hessian:
         x = x.reshape(-1, self.in_features)
         if x.shape[0] == 0:
             return
-        x = x.to(device=self.sum.device, dtype=self.dtype)
-        bad = int((~torch.isfinite(x)).sum())
-        if bad:
-            raise ValueError(
-                f"calibration input contains {bad} NaN/Inf values (of {x.numel()}); the model "
-                "overflows on this data: check its dtype (use float32) and the inputs"
-            )
+        x = raw = x.to(device=self.sum.device, dtype=self.dtype)
         if self.normalize_tokens:
             # Every token at unit RMS: each weighs the same in the objective, instead of in
             # proportion to its squared norm (a few massive-activation tokens otherwise own H).
-            rms = x.pow(2).mean(dim=1, keepdim=True).sqrt_()
-            x = x / torch.where(rms > 0, rms, torch.ones_like(rms))
-        # sum += xᵀ x, in place, without materialising the product separately.
-        self.sum.addmm_(x.T, x)
+            norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+            scale = torch.where(norm > 0, self.in_features**0.5 / norm, torch.ones_like(norm))
+            x = x * scale
+        # A non-finite input value makes its feature's diagonal entry non-finite, so checking
+        # the K diagonal entries of the update (not all T x K inputs) finds every bad batch.
+        update = x.T @ x
+        if not bool(torch.isfinite(update.diagonal()).all()):
+            bad = int((~torch.isfinite(raw)).sum())
+            what = f"{bad} NaN/Inf values (of {raw.numel()})" if bad else "values whose squares overflow"
+            raise ValueError(
+                f"calibration input contains {what}; the model overflows on this data: check "
+                "its dtype (use float32) and the inputs"
+            )
+        self.sum += update
         self.count += x.shape[0]
 
     def merge(self, other: "Hessian") -> "Hessian":

@@ -60,9 +60,9 @@ def quantize(
     exclude: Sequence[str] | str | None = None,
     device: torch.device | str | None = None,
     progress: bool = True,
-    batch_size: int = 16,
+    batch_size: int = 8,
     method: str = "gptq",
-    strategy: str = "pause",
+    strategy: str = "replay",
 ) -> Report:
     """Quantize the linears of ``model``'s decoder blocks in place; returns a ``Report``.
 
@@ -187,11 +187,8 @@ def _loop(
             t0 = time.perf_counter()
             home = next(block.parameters()).device
             block.to(opts["device"])
-            outputs = quantize_block(f"{blocks_name}.{i}", block, hidden, calls[i], targets, config, opts,
-                             report, bar)
             # The outputs replace the inputs: activations are held once, never per layer.
-            hidden[:] = outputs
-            del outputs
+            quantize_block(f"{blocks_name}.{i}", block, hidden, calls[i], targets, config, opts, report, bar)
             block.to(home)
             _settle_solutions(f"{blocks_name}.{i}", block, home, report)
             report.block_seconds.append(time.perf_counter() - t0)
@@ -209,8 +206,12 @@ def _settle_solutions(prefix: str, block: nn.Module, home: torch.device, report:
         if sol is None:
             continue
         sol.weight = model_util.get_weight(mod)
-        for field in ("codes", "scales", "zeros", "g_idx", "perm"):
+        for field in ("scales", "zeros", "g_idx", "perm"):
             setattr(sol, field, getattr(sol, field).to(home))
+        # The codes are the weight's, exactly: recomputed when a checkpoint is written instead
+        # of held (one byte per weight, a quarter of an fp32 model) for the whole run.
+        if not sol.drop_codes():
+            sol.codes = sol.codes.to(home)
 
 
 def _versions() -> dict[str, str]:

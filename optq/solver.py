@@ -62,6 +62,44 @@ class Solution:
         s = self.scales[:, g]
         return grid.dequantize(self.codes.to(s.dtype), s, self.zeros[:, g].to(s.dtype))
 
+    def _codes_from_weight(self) -> torch.Tensor:
+        g = self.g_idx.long()
+        s = self.scales[:, g]
+        w = self.weight.to(device=s.device, dtype=s.dtype)
+        return grid.quantize(w, s, self.zeros[:, g].to(s.dtype), self.config.maxq).to(torch.uint8)
+
+    def drop_codes(self) -> bool:
+        """Stop storing ``codes`` if they can be recomputed exactly from ``weight`` (then
+        ``codes`` is recomputed on every access); returns whether they were dropped.
+
+        ``weight`` is ``scale * (code - zero)`` rounded to its dtype, so ``round(weight / scale)
+        + zero`` gives the code back whenever that rounding is finer than half a grid step
+        (float32, float16; not bfloat16 at 8 bits). This is checked, not assumed. The pipeline
+        uses it to keep one byte per weight fewer while a model is quantized; ``weight`` must then
+        not change (it is the model's own weight tensor there).
+        """
+        stored = self.__dict__.get("_codes")
+        if stored is None:
+            return True
+        if not torch.equal(self._codes_from_weight(), stored.to(self.scales.device)):
+            return False
+        self.__dict__["_codes"] = None
+        return True
+
+
+def _get_codes(self: Solution) -> torch.Tensor:
+    stored = self.__dict__.get("_codes")
+    return stored if stored is not None else self._codes_from_weight()
+
+
+def _set_codes(self: Solution, value: torch.Tensor) -> None:
+    self.__dict__["_codes"] = value
+
+
+# A property behind the dataclass field, so that codes can be dropped (see drop_codes) without
+# changing how a Solution is built or read.
+Solution.codes = property(_get_codes, _set_codes, doc="[rows, cols] uint8 codes, natural column order.")  # type: ignore[assignment]
+
 
 def objective(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
     """½ tr((W - Ŵ) H (W - Ŵ)ᵀ): the layer's output error under Hessian H (float64 sum)."""
@@ -155,7 +193,10 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     fit_at = set() if config.static_groups else set(range(0, cols, gs))
     diag = U.diagonal().tolist()
 
-    codes = torch.empty(cols, rows, dtype=dtype, device=device)
+    # Codes are rounded in the working dtype one block at a time, then stored as bytes: a
+    # [cols, rows] float buffer would cost as much as W itself.
+    codes = torch.empty(cols, rows, dtype=torch.uint8, device=device)
+    block_codes = torch.empty(min(config.block_size, cols), rows, dtype=dtype, device=device)
     Err = torch.empty(cols, rows, dtype=dtype, device=device)  # row q: Err of column q
     B = config.block_size
     b = min(_SUB_BLOCK, B)
@@ -178,7 +219,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
                     scales[g], zeros[g] = grid.fit(part.T, config)
                 s, z = scales[g], zeros[g]
                 w = Wt[pos]
-                q = codes[pos]
+                q = block_codes[pos - i1]
                 torch.div(w, s, out=q)
                 q.round_().add_(z).clamp_(0, maxq)
                 e = Err[pos]
@@ -192,16 +233,19 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
                 Wt[j2:i2].addmm_(U[j1:j2, j2:i2].T, Err[j1:j2], alpha=-1)
         if serial:
             torch.set_num_threads(threads)
+        codes[i1:i2].copy_(block_codes[: i2 - i1])
         if i2 < cols:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, Err[i1:i2], alpha=-1)
     del U
 
-    # Back to natural column order and [rows, cols]; cast codes first so the transpose moves bytes.
-    codes = codes.to(torch.uint8)
+    del block_codes
+    # Back to natural column order and [rows, cols]: position p holds column perm[p].
     if config.act_order:
-        inv = torch.argsort(perm)
-        codes, Wt = codes.index_select(0, inv), Wt.index_select(0, inv)
-    weight = Wt.T.contiguous()  # exactly scale * (code - zero), as computed in the loop
+        codes = torch.empty_like(codes).index_copy_(0, perm, codes)
+        weight = torch.empty(rows, cols, dtype=dtype, device=device)
+        weight.T.index_copy_(0, perm, Wt)  # no permuted copy of Wt on the way
+    else:
+        weight = Wt.T.contiguous()  # exactly scale * (code - zero), as computed in the loop
     del Wt
     sol = Solution(
         weight=weight.to(W.dtype),

@@ -11,13 +11,11 @@ pause. The result is deterministic and uses the torch threads as a plain loop wo
 The price is memory: while paused, every batch keeps the block's intermediate tensors alive
 (e.g. the MLP's intermediate activations while the down projection is being solved). On glibc,
 every thread also gets its own malloc arena, which keeps what its forward freed; returning those
-free pages after each step (``malloc_trim``) halves the peak RSS for about 15% more time.
+free pages after each step (``optq.memory``) halves the peak RSS for about 15% more time.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -28,17 +26,6 @@ from .capture import Call, run_block
 from .hessian import Hessian
 
 __all__ = ["PausedForwards"]
-
-
-def _malloc_trim() -> Callable[[], object] | None:
-    """glibc's malloc_trim(0) (releases free pages of every arena), or None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    return lambda: fn(0)
 
 
 class _Abort(BaseException):
@@ -77,7 +64,7 @@ class PausedForwards:
     ``advance(j, hessian)`` lets every batch run up to ``stops[j]``, adding that module's input to
     ``hessian``; ``finish()`` runs every batch to the end and returns the block outputs;
     ``close()`` abandons the paused forwards. Use as a context manager so threads never leak.
-    ``trim_memory``: hand freed host memory back to the OS after every step (CPU compute).
+    ``release``: called after every step (``optq.memory.releaser``: trims the host heap).
     """
 
     def __init__(
@@ -87,10 +74,10 @@ class PausedForwards:
         hidden: Sequence[torch.Tensor],
         calls: Sequence[Call],
         *,
-        trim_memory: bool = False,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.block = block
-        self.trim = _malloc_trim() if trim_memory else None
+        self.release = release
         self.done = threading.Semaphore(0)
         self.current: _Worker | None = None
         self.hessian: Hessian | None = None
@@ -120,8 +107,8 @@ class PausedForwards:
         w.go.release()
         self.done.acquire()
         self.current = None
-        if self.trim is not None:
-            self.trim()
+        if self.release is not None:
+            self.release()
         if w.error is not None:
             raise w.error
 

@@ -1,0 +1,138 @@
+"""Reusing the outputs of a block's finished parts when the block is replayed.
+
+strategy="replay" runs a block from its inputs once per group of linears (q/k/v, o, gate/up,
+down in a Llama block) and once more for its outputs. Once every linear up to and including a
+child module's last one is quantized (the attention module after o_proj), that child's output
+can no longer change: its inputs come only from finished computation and its own weights are
+final. ``Memo`` records such a child's output for every batch on one pass and hands it back on
+the later passes instead of running the child again, which saves the attention (projections,
+rotary embedding, softmax) on every later pass for one activation-sized buffer.
+
+Only direct children of the block that contain linears and are called exactly once per forward
+are candidates. Outputs are recorded as copies and every use but the last gets another copy, so
+a block that modifies a child's output in place cannot corrupt a later pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+__all__ = ["Memo"]
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
+
+
+def _copy(value: Any) -> Any:
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
+
+
+class _Child:
+    def __init__(self, name: str, module: nn.Module, pending: set[str]) -> None:
+        self.name = name
+        self.module = module
+        self.pending = pending  # target linears that must be solved before its output is final
+        self.outputs: dict[int, Any] | None = None  # batch index -> recorded output
+        self.calls: dict[int, int] = {}
+
+
+class Memo:
+    """Records and replays the outputs of finished children of ``block`` across replay passes.
+
+    ``solved(names)`` after each group is solved; ``with memo.replay_pass(last) as at_batch:``
+    around each pass over the batches, calling ``at_batch(b)`` before batch ``b``'s forward.
+    ``last`` marks the pass after which nothing is replayed again (recorded outputs are freed
+    batch by batch as they are used).
+    """
+
+    def __init__(self, block: nn.Module, prefix: str, linears: Sequence[str], order: Sequence[str],
+                 targets: Sequence[str]) -> None:
+        self.children: list[_Child] = []
+        self.batch = -1
+        wanted = set(targets)
+        for cname, module in block.named_children():
+            base = f"{prefix}.{cname}"
+            inside = {n for n in linears if n == base or n.startswith(base + ".")}
+            positions = [i for i, n in enumerate(order) if n in inside]
+            if not positions or any(sum(1 for m in order if m == n) > 1 for n in inside):
+                continue  # no linear of it runs, or one runs twice: not a simple function
+            last = max(positions)
+            pending = {n for n in order[: last + 1] if n in wanted}
+            self.children.append(_Child(cname, module, pending))
+
+    def solved(self, names: Sequence[str]) -> None:
+        """Mark linears as quantized (their weights are final)."""
+        for child in self.children:
+            child.pending.difference_update(names)
+
+    @property
+    def recorded(self) -> list[str]:
+        """Names of the children whose outputs are held for the next pass."""
+        return [c.name for c in self.children if c.outputs is not None]
+
+    @contextmanager
+    def replay_pass(self, last: bool = False) -> Iterator[Callable[[int], None]]:
+        replaying = [c for c in self.children if c.outputs is not None]
+        recording = [] if last else [c for c in self.children if c.outputs is None and not c.pending]
+        saved: list[tuple[nn.Module, Any]] = []
+        handles = []
+        for child in replaying:
+            saved.append((child.module, child.module.__dict__.get("forward")))
+            child.module.forward = self._replayer(child, last)
+        for child in recording:
+            child.calls = {}
+            handles.append(child.module.register_forward_hook(self._recorder(child)))
+            child.outputs = {}
+
+        def at_batch(b: int) -> None:
+            self.batch = b
+
+        ok = False
+        try:
+            yield at_batch
+            ok = True
+        finally:
+            for h in handles:
+                h.remove()
+            for module, old in saved:
+                if old is None:
+                    del module.forward
+                else:
+                    module.forward = old
+            for child in recording:
+                # Keep a recording only if every batch called the child exactly once.
+                complete = ok and len(child.calls) == self.batch + 1 and all(
+                    child.calls.get(b) == 1 for b in range(self.batch + 1))
+                if not complete:
+                    child.outputs = None
+                child.calls = {}
+            if last or not ok:
+                for child in self.children:
+                    child.outputs = None
+            self.batch = -1
+
+    def _recorder(self, child: _Child) -> Callable:
+        def hook(_m: nn.Module, _args: tuple, output: Any) -> None:
+            b = self.batch
+            child.calls[b] = child.calls.get(b, 0) + 1
+            assert child.outputs is not None
+            # A copy: the block may still modify its child's output in place (x.mul_(...)).
+            child.outputs[b] = _copy(_detached(output))
+
+        return hook
+
+    def _replayer(self, child: _Child, last: bool) -> Callable:
+        def forward(*_args: Any, **_kwargs: Any) -> Any:
+            assert child.outputs is not None
+            if last:
+                return child.outputs.pop(self.batch)
+            return _copy(child.outputs[self.batch])
+
+        return forward

@@ -1,0 +1,174 @@
+"""What keeps quantization lean: replayed children, early-stopping replays, codes held once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optq
+from optq import capture, memory
+from optq.memo import Memo
+
+pytest.importorskip("transformers")
+from test_model import build, tokens  # noqa: E402
+from test_pipeline import _run  # noqa: E402
+
+
+def _count_calls(module, counter, key):
+    def hook(_m, _args, _out):
+        counter[key] = counter.get(key, 0) + 1
+
+    return module.register_forward_hook(hook)
+
+
+def test_replay_reuses_the_finished_attention_and_matches_pause():
+    a, b = build("llama"), build("llama")
+    counts: dict[str, int] = {}
+    handles = [_count_calls(blk.self_attn.q_proj, counts, i) for i, blk in enumerate(b.model.layers)]
+    calib = tokens(n=6, seqlen=16)
+    ra = _run(a, calib=calib, strategy="pause", batch_size=2)
+    rb = _run(b, calib=calib, strategy="replay", batch_size=2)
+    for h in handles:
+        h.remove()
+    for name in ra.solutions:
+        assert torch.equal(ra.solutions[name].weight, rb.solutions[name].weight), name
+    # Per block, 3 batches: one discovery forward, then q_proj runs in the o_proj pass and in
+    # the gate/up pass (which records the attention's output); the down_proj pass and the final
+    # pass replay the recorded output instead. Without the memo it would run 1 + 3 x 4 times.
+    # (Block 0 also runs once while the inputs are captured.)
+    assert counts == {0: 1 + 1 + 3 * 2, 1: 1 + 3 * 2}
+
+
+class _InPlaceBlock(torch.nn.Module):
+    """Modifies its attention-like child's output in place; a memo must hand out copies."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.attn = torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, d))
+        self.up = torch.nn.Linear(d, 2 * d)
+        self.down = torch.nn.Linear(2 * d, d)
+
+    def forward(self, h):
+        a = self.attn(h)
+        a.mul_(0.5)  # in place on the child's output
+        x = h + a
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, block, d=16, vocab=32, n=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList([block(d) for _ in range(n)])
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_memo_hands_out_copies_to_blocks_that_write_in_place():
+    cfg = optq.QuantConfig(bits=4, group_size=-1)
+    calib = torch.randint(0, 32, (6, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    for strategy in ("pause", "replay"):
+        torch.manual_seed(0)
+        model = _Model(_InPlaceBlock)
+        report = _run(model, calib=calib, config=cfg, strategy=strategy, batch_size=2)
+        results.append({n: s.weight.clone() for n, s in report.solutions.items()})
+        out = model(calib)
+        results.append(out)
+    pause_w, pause_out, replay_w, replay_out = results
+    for name in pause_w:
+        assert torch.equal(pause_w[name], replay_w[name]), name
+    assert torch.equal(pause_out, replay_out)
+
+
+def test_memo_records_only_finished_children_called_once():
+    block = torch.nn.Module()
+    block.a = torch.nn.Linear(4, 4)
+    block.b = torch.nn.Linear(4, 4)
+    order = ["blk.a", "blk.b", "blk.b"]  # b runs twice per forward: never a candidate
+    memo = Memo(block, "blk", ["blk.a", "blk.b"], order, ["blk.a", "blk.b"])
+    assert [c.name for c in memo.children] == ["a"]
+    with memo.replay_pass() as at_batch:  # a is not solved yet: nothing is recorded
+        at_batch(0)
+        block.a(torch.ones(1, 4))
+    assert memo.recorded == []
+    memo.solved(["blk.a"])
+    x = torch.randn(2, 4)
+    with memo.replay_pass() as at_batch:
+        for b in range(2):
+            at_batch(b)
+            expected = block.a(x[b : b + 1])
+    assert memo.recorded == ["a"]
+    with torch.no_grad():
+        block.a.weight.zero_()  # a replayed child is not recomputed
+    with memo.replay_pass(last=True) as at_batch:
+        at_batch(1)
+        assert torch.equal(block.a(x[1:2]), expected)
+    assert memo.recorded == [] and "forward" not in block.a.__dict__
+
+
+def test_an_incomplete_recording_is_dropped():
+    block = torch.nn.Module()
+    block.a = torch.nn.Linear(4, 4)
+    memo = Memo(block, "blk", ["blk.a"], ["blk.a"], [])
+    with memo.replay_pass() as at_batch:
+        at_batch(0)
+        block.a(torch.ones(1, 4))
+        at_batch(1)  # batch 1 never reaches the child (e.g. a replay stopped before it)
+    assert memo.recorded == []
+
+
+def test_replays_stop_right_after_the_groups_input():
+    model = build("llama")
+    blk = model.model.layers[0]
+    linears = optq.model.find_linears(blk, "b")
+    calib = tokens(n=2, seqlen=8)
+    hidden, calls = capture.capture_inputs(model, model.model.layers, [calib], torch.device("cpu"))
+    plan = capture.discover_subsets(blk, linears, list(linears), hidden[0], calls[0][0])
+    ran: dict[str, int] = {}
+    handles = [_count_calls(m, ran, n) for n, m in linears.items()]
+    hess = optq.Hessian(blk.mlp.down_proj.in_features)
+    with torch.no_grad():
+        capture.collect_hessian(blk, linears, ["b.mlp.gate_proj", "b.mlp.up_proj"], plan.order, hidden,
+                                calls[0], optq.Hessian(blk.mlp.gate_proj.in_features))
+        assert "b.mlp.gate_proj" not in ran and "b.mlp.up_proj" not in ran  # stopped at the input
+        assert ran["b.self_attn.o_proj"] == 1
+        capture.collect_hessian(blk, linears, ["b.mlp.down_proj"], plan.order, hidden, calls[0], hess)
+    for h in handles:
+        h.remove()
+    assert "b.mlp.down_proj" not in ran and ran["b.mlp.up_proj"] == 1
+    assert hess.count == 2 * 8
+
+
+def test_pipeline_solutions_recompute_their_codes_exactly():
+    model = build("llama")
+    fresh = optq.gptq(torch.randn(8, 64), torch.eye(64), optq.QuantConfig(bits=4, group_size=16))
+    assert fresh.__dict__["_codes"] is not None  # a direct solve keeps its codes
+    report = _run(model, config=optq.QuantConfig(bits=4, group_size=16))
+    for name, sol in report.solutions.items():
+        assert sol.__dict__["_codes"] is None, name  # the pipeline holds no second copy
+        assert sol.codes.dtype == torch.uint8
+        assert torch.equal(sol.dequantize().to(sol.weight.dtype), sol.weight), name
+
+
+def test_drop_codes_refuses_when_the_weight_no_longer_matches():
+    sol = optq.gptq(torch.randn(8, 64), torch.eye(64), optq.QuantConfig(bits=4, group_size=16))
+    codes = sol.codes.clone()
+    sol.weight = sol.weight.clone()
+    sol.weight[0, 0] += sol.scales[0, 0]  # one step up the grid: no longer the solver's code
+    assert not sol.drop_codes()
+    assert torch.equal(sol.codes, codes)  # kept, unchanged
+    sol.weight[0, 0] -= sol.scales[0, 0]
+    assert sol.drop_codes() and torch.equal(sol.codes, codes)
+
+
+def test_releaser_is_a_noop_off_cpu():
+    assert memory.releaser("meta")() is None
+    memory.releaser("cpu")()  # trims, or does nothing where there is no glibc
