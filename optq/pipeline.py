@@ -7,18 +7,25 @@ the group's weights together (their rows stacked: GPTQ treats rows independently
 H), and write the quantized weights back, so the next group sees the effect of the earlier ones.
 The block's outputs then become the next block's inputs (``optq.block`` does one block).
 
-Memory: the model stays where it is; only the current block is moved to ``device``. Besides the
-model, the peak is about (T = nsamples x seqlen calibration tokens, float32 activations)
+Memory: the model stays where it is; only the current block is moved to ``device``. With
+T = nsamples x seqlen calibration tokens, b = batch_size x seqlen tokens per forward, h the
+hidden size, i the MLP's intermediate size and float32 activations, the peak is about
 
-    2 x T x hidden x 4 bytes                   block inputs and outputs, held once
-  + T x (intermediate + 2 x hidden) x 4 bytes  strategy="pause" only: every batch's paused
-                                               forward (at worst inside the MLP)
-  + batch_size x seqlen x intermediate x 4     strategy="replay": one batch's intermediates
-  + one block's parameters on ``device``       when the model lives elsewhere
-  + K^2 x 4 bytes per Hessian and a solve's workspace (a few K^2 + N K)
+    the runtime and the model                     (a lazily loaded model becomes resident)
+  + T x h x 4                                     the block inputs, each batch's overwritten
+                                                  by its outputs as soon as they exist
+  + T x h x 4                                     one finished child's recorded outputs
+                                                  (strategy="replay": the attention's), or
+                                                  the original outputs (propagate="original")
+  + b x (3 i + 3 h) x 4                           one batch's temporaries inside the block
+  + ~6 x the largest group's weights x 4 + K^2 x 4   the solve (stacked rows, copies) and H
+  + T x (i + 2 h) x 4                             strategy="pause" only: every batch's paused
+                                                  forward (at worst inside the MLP)
+  + one block's parameters on ``device``          when the model lives elsewhere
 
-e.g. for SmolLM2-135M at 128 x 512 tokens: 0.3 GB of inputs/outputs and 0.7 GB of paused
-forwards (replay: 25 MB), beside the 0.5 GB model.
+plus what the allocator holds between the heap trims after each pass. SmolLM2-135M at 128 x 512
+tokens: 144 + 144 + 99 + ~45 MB beside the 513 MB model (pause: +528 MB); the peak measured by
+benchmarks/quantize_model.py is printed next to this formula's.
 """
 
 from __future__ import annotations
@@ -78,9 +85,9 @@ def quantize(
         propagate: "quantized" (each block calibrates on the outputs of the already quantized
             blocks, so later layers compensate earlier errors) or "original" (every block's
             inputs come from the unquantized model, the plain layer-wise method). Inside a block
-            the groups are sequential either way. Cost per block with strategy="pause": one
-            block forward over the calibration set for "quantized", two for "original" (its
-            outputs are computed from the unquantized block first).
+            the groups are sequential either way. "original" costs one more block forward per
+            block (the unquantized block's outputs, computed first) and holds them beside the
+            inputs.
         include / exclude: module-name patterns (wildcards like ``*.mlp.*``, or ``re:REGEX``)
             selecting which block linears to quantize. Embeddings and the head are never touched.
         device: where each block is computed ("cuda" quantizes a CPU-resident model on a GPU);
@@ -88,10 +95,13 @@ def quantize(
         batch_size: calibration samples per block forward (results depend on it only through
             floating-point summation order).
         method: "gptq", or "rtn" (round-to-nearest; the report still measures it on H).
-        strategy: "pause" (every batch's block forward pauses at each group's input while the
-            group is solved, then resumes: one forward per block, but all batches' intermediate
-            tensors stay alive meanwhile) or "replay" (the block is re-run from its input for
-            each group: about 2.5 forwards per block, memory only for the activations). Both
+        strategy: "replay" (default: the block is re-run from its inputs for each group, each
+            run stopping at the group's input; once a child module such as the attention is
+            fully quantized its outputs are recorded and replayed instead of recomputed, so a
+            Llama block costs about two forwards, and memory stays at the activations) or
+            "pause" (every batch's forward pauses at each group's input while the group is
+            solved, then resumes: one forward per block, about 10% faster on SmolLM2, but all
+            batches' intermediate tensors stay alive: several times the activations). Both
             give the same weights.
     """
     if propagate not in PROPAGATE:

@@ -2,8 +2,9 @@
 
 True-sequential GPTQ needs, for each group of linears in a block (q/k/v, then o, then gate/up,
 then down), the inputs they receive once the earlier groups are quantized. Re-running the block
-from its input for every group costs about 2.5 block forwards; pausing every batch's forward at
-the group's first linear, solving, and resuming costs one. Python cannot suspend a call stack
+from its input for every group (strategy="replay", the default) costs about two block forwards;
+pausing every batch's forward at the group's first linear, solving, and resuming costs one
+(strategy="pause"). Python cannot suspend a call stack
 inside ``nn.Module.__call__`` by itself, so each batch's forward runs on its own thread, and the
 threads take turns: exactly one runs at a time, in batch order, handing control back at every
 pause. The result is deterministic and uses the torch threads as a plain loop would.
