@@ -114,9 +114,10 @@ class QuantLinear(nn.Module):
         Raises ValueError when a zero point cannot be stored in ``checkpoint_format``.
         """
         cfg = solution.config
-        rows, cols = solution.codes.shape
+        stored = solution.codes  # read once: a pipeline's solutions recompute them on access
+        rows, cols = stored.shape
         layer = cls(cols, rows, cfg.bits, cfg.group_size, bias is not None, checkpoint_format,
-                    device=solution.codes.device)
+                    device=stored.device)
         scales = solution.scales.detach().to(torch.float64)
         scales16 = scales.to(torch.float16)
         if not torch.isfinite(scales16).all():
@@ -127,7 +128,7 @@ class QuantLinear(nn.Module):
         scales16 = scales16.clamp(min=_FP16_TINY)
         g = solution.g_idx.long()
         zeros = solution.zeros.to(torch.int64)
-        exact = scales[:, g] * (solution.codes.to(torch.int64) - zeros[:, g]).to(torch.float64)
+        exact = scales[:, g] * (stored.to(torch.int64) - zeros[:, g]).to(torch.float64)
         codes = torch.round(exact / scales16.to(torch.float64)[:, g]) + zeros[:, g]
         codes = codes.clamp_(0, cfg.maxq).to(torch.int64)
         with torch.no_grad():
@@ -252,9 +253,9 @@ def replace_linears(
         if not is_linear(module):
             raise TypeError(f"{name} is a {type(module).__name__}, not nn.Linear or Conv1D")
         weight = get_weight(module)
-        if tuple(weight.shape) != tuple(solution.codes.shape):
+        if tuple(weight.shape) != tuple(solution.weight.shape):
             raise ValueError(
-                f"solution for {name} has shape {tuple(solution.codes.shape)} but the layer's "
+                f"solution for {name} has shape {tuple(solution.weight.shape)} but the layer's "
                 f"weight is {tuple(weight.shape)} ([out_features, in_features])"
             )
         layer = QuantLinear.from_solution(solution, module.bias, checkpoint_format)

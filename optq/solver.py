@@ -36,7 +36,8 @@ class Solution:
 
     Attributes:
         weight: [rows, cols] dequantized weight, the input's dtype and device.
-        codes: [rows, cols] uint8 codes in [0, 2^bits - 1], natural column order.
+        codes: [rows, cols] uint8 codes in [0, 2^bits - 1], natural column order (stored, or,
+            after ``drop_codes``, recomputed exactly from ``weight`` on each access).
         scales: [rows, groups] float32 (float64 when W is float64).
         zeros: [rows, groups] int32 zero points (2^(bits-1) for symmetric grids).
         g_idx: [cols] int32 group of each input column.
