@@ -116,7 +116,8 @@ def memory_terms(model: torch.nn.Module, report: optq.Report, args: argparse.Nam
     largest = max(rows * cols[k] for k, rows in groups.items())
     terms = {
         "activations": act,
-        "second_activations": act if args.strategy == "replay" or args.propagate == "original" else 0,
+        "recorded_outputs": act if args.strategy == "replay" else 0,  # the attention's, replayed
+        "original_outputs": act if args.propagate == "original" else 0,
         "batch_temporaries": batch_tokens * (3 * i + 3 * h) * 4,
         "solve": 6 * largest * 4 + max(c for c in cols.values()) ** 2 * 4,
     }

@@ -14,9 +14,10 @@ hidden size, i the MLP's intermediate size and float32 activations, the peak is 
     the runtime and the model                     (a lazily loaded model becomes resident)
   + T x h x 4                                     the block inputs, each batch's overwritten
                                                   by its outputs as soon as they exist
-  + T x h x 4                                     one finished child's recorded outputs
-                                                  (strategy="replay": the attention's), or
-                                                  the original outputs (propagate="original")
+  + T x h x 4                                     strategy="replay": one finished child's
+                                                  recorded outputs (the attention's)
+  + T x h x 4                                     propagate="original": the unquantized
+                                                  block's outputs, beside its inputs
   + b x (3 i + 3 h) x 4                           one batch's temporaries inside the block
   + ~6 x the largest group's weights x 4 + K^2 x 4   the solve (stacked rows, copies) and H
   + T x (i + 2 h) x 4                             strategy="pause" only: every batch's paused
