@@ -25,7 +25,7 @@ hidden size, i the MLP's intermediate size and float32 activations, the peak is 
   + one block's parameters on ``device``          when the model lives elsewhere
 
 plus what the allocator holds between the heap trims after each pass. SmolLM2-135M at 128 x 512
-tokens: 144 + 144 + 99 + ~45 MB beside the 513 MB model (pause: +528 MB); the peak measured by
+tokens: 144 + 144 + 99 + ~50 MB beside the 513 MB model (pause: +528 MB); the peak measured by
 benchmarks/quantize_model.py is printed next to this formula's.
 """
 

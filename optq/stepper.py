@@ -4,10 +4,9 @@ True-sequential GPTQ needs, for each group of linears in a block (q/k/v, then o,
 then down), the inputs they receive once the earlier groups are quantized. Re-running the block
 from its input for every group (strategy="replay", the default) costs about two block forwards;
 pausing every batch's forward at the group's first linear, solving, and resuming costs one
-(strategy="pause"). Python cannot suspend a call stack
-inside ``nn.Module.__call__`` by itself, so each batch's forward runs on its own thread, and the
-threads take turns: exactly one runs at a time, in batch order, handing control back at every
-pause. The result is deterministic and uses the torch threads as a plain loop would.
+(strategy="pause"). Python cannot suspend a call stack inside ``nn.Module.__call__`` by itself,
+so each batch's forward runs on its own thread, and the threads take turns: exactly one runs at
+a time, in batch order, handing control back at every pause. The result is deterministic and uses the torch threads as a plain loop would.
 
 The price is memory: while paused, every batch keeps the block's intermediate tensors alive
 (e.g. the MLP's intermediate activations while the down projection is being solved). On glibc,
