@@ -101,7 +101,7 @@ def quantize(
             fully quantized its outputs are recorded and replayed instead of recomputed, so a
             Llama block costs about two forwards, and memory stays at the activations) or
             "pause" (every batch's forward pauses at each group's input while the group is
-            solved, then resumes: one forward per block, about 10% faster on SmolLM2, but all
+            solved, then resumes: one forward per block, about 13% less time on SmolLM2, but all
             batches' intermediate tensors stay alive: several times the activations). Both
             give the same weights.
     """
