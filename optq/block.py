@@ -183,6 +183,9 @@ def _solve_subset(
         model_util.set_weight(mod, part.weight)
         report.solutions[name] = part
         log.debug("%s: objective %.4g, rtn %.4g", name, obj, rtn_obj)
+    # Under a caller's autocast, weights cast earlier (e.g. by the discovery forward) stay cached
+    # until the autocast region ends: drop them, or later forwards would use the old weights.
+    torch.clear_autocast_cache()
 
 
 def _row_objectives(W: torch.Tensor, W_hat: torch.Tensor | None, H: torch.Tensor) -> torch.Tensor:

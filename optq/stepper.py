@@ -16,6 +16,7 @@ free pages after each step (``optq.memory``) halves the peak RSS for about 15% m
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,31 @@ from .capture import Call, run_block
 from .hessian import Hessian
 
 __all__ = ["PausedForwards"]
+
+
+def _thread_state() -> list[Callable[[], contextlib.AbstractContextManager]]:
+    """Context managers that re-create the calling thread's torch state on a worker thread.
+
+    Grad and inference mode, autocast, the default device and the current CUDA stream are
+    per thread in PyTorch; a worker must run the block exactly as the caller's thread would
+    (as strategy="replay" does), or the two strategies would give different weights.
+    """
+    state: list[Callable[[], contextlib.AbstractContextManager]] = []
+    grad = torch.is_grad_enabled()
+    state.append(lambda: torch.set_grad_enabled(grad))
+    if torch.is_inference_mode_enabled():
+        state.append(lambda: torch.inference_mode(True))
+    for kind in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(kind):
+            dtype = torch.get_autocast_dtype(kind)
+            state.append(lambda kind=kind, dtype=dtype: torch.autocast(kind, dtype=dtype))
+    default = torch.get_default_device()
+    if default != torch.device("cpu"):
+        state.append(lambda: torch.device(default))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stream = torch.cuda.current_stream()
+        state.append(lambda: torch.cuda.stream(stream))
+    return state
 
 
 class _Abort(BaseException):
@@ -47,7 +73,9 @@ class _Worker:
         self.go.acquire()
         try:
             if not self.abort:
-                with torch.no_grad():  # grad mode is per thread
+                with contextlib.ExitStack() as stack:
+                    for enter in owner.thread_state:  # the caller's per-thread torch state
+                        stack.enter_context(enter())
                     self.output = run_block(owner.block, hidden, call)
         except _Abort:
             pass
@@ -82,8 +110,15 @@ class PausedForwards:
         self.current: _Worker | None = None
         self.hessian: Hessian | None = None
         self.stop_index = {id(m): j for j, m in enumerate(stops)}
+        self.thread_state = _thread_state()
         self.handles = [m.register_forward_pre_hook(self._hook) for m in stops]
-        self.workers = [_Worker(self, h, c) for h, c in zip(hidden, calls)]
+        self.workers: list[_Worker] = []
+        try:
+            for h, c in zip(hidden, calls):
+                self.workers.append(_Worker(self, h, c))
+        except BaseException:
+            self.close()  # the threads already started, and the hooks
+            raise
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
         w = self.current
@@ -136,17 +171,21 @@ class PausedForwards:
 
     def close(self) -> None:
         """Abandon paused forwards, join every thread and remove the hooks."""
-        for w in self.workers:
-            if not w.finished:
-                w.abort = True
-                self.current = w
-                w.go.release()
-                self.done.acquire()
-            w.thread.join()
-        self.current = None
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        try:
+            for w in self.workers:
+                w.abort = True  # a worker that is resumed by anything from now on unwinds
+            for w in self.workers:
+                if not w.finished:
+                    self.current = w
+                    w.go.release()
+                    self.done.acquire()
+                w.thread.join()
+        finally:
+            # Even if interrupted again while unwinding: no hook may outlive this object.
+            self.current = None
+            for h in self.handles:
+                h.remove()
+            self.handles = []
 
     def __enter__(self) -> "PausedForwards":
         return self

@@ -112,3 +112,41 @@ def test_an_error_inside_a_paused_forward_reaches_the_caller():
         _run(model, calib=torch.randint(0, 32, (4, 8)), batch_size=1,
              config=optq.QuantConfig(bits=4, group_size=-1))
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "autocast"])
+def test_pause_and_replay_agree_under_the_callers_torch_modes(mode):
+    # Inference mode and autocast are per thread: the paused forwards (worker threads) must
+    # run as the caller's thread would; and under autocast, casts of weights cached before
+    # they were quantized must not be reused.
+    results = []
+    for strategy in ("pause", "replay"):
+        model = build("llama")
+        ctx = torch.inference_mode() if mode == "inference_mode" else torch.autocast("cpu", dtype=torch.bfloat16)
+        with ctx:
+            report = _run(model, strategy=strategy, batch_size=2)
+        results.append(report)
+    pause, replay = results
+    for name in pause.solutions:
+        assert torch.equal(pause.solutions[name].weight, replay.solutions[name].weight), name
+
+
+def test_a_failure_while_starting_the_paused_forwards_leaves_nothing_behind(monkeypatch):
+    real_start = threading.Thread.start
+    started = []
+
+    def start(self):
+        started.append(self)
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    model = build("llama")
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        _run(model, strategy="pause", batch_size=1)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert threading.active_count() == before
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
