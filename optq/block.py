@@ -99,18 +99,13 @@ def quantize_block(
 def _forward_in_place(block: nn.Module, hidden: list[torch.Tensor], calls: list[capture.Call],
                       release: Callable[[], None],
                       before_batch: Callable[[int], None] | None = None) -> None:
-    # Each batch's output overwrites its input as soon as it exists: the activations are held
-    # once plus one batch, and in the same buffers for the whole run (no new long-lived
-    # allocations between a pass's temporaries, which would fragment the heap).
+    # Each batch's output replaces its input as soon as it exists: the activations are held
+    # once plus one batch. (Replaced, not written into: an input may share memory with tensors
+    # the model still passes to later blocks.)
     for b, call in enumerate(calls):
         if before_batch is not None:
             before_batch(b)
-        out = capture.run_block(block, hidden[b], call)
-        if out.shape == hidden[b].shape and out.dtype == hidden[b].dtype and out.device == hidden[b].device:
-            hidden[b].copy_(out)
-        else:
-            hidden[b] = out
-        del out
+        hidden[b] = capture.run_block(block, hidden[b], call)
     release()
 
 

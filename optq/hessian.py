@@ -53,23 +53,25 @@ class Hessian:
         if x.shape[0] == 0:
             return
         x = raw = x.to(device=self.sum.device, dtype=self.dtype)
+        # A NaN/Inf anywhere makes its token's norm (or its feature's column sum) non-finite:
+        # one reduction finds a bad batch without an elementwise test of every value.
         if self.normalize_tokens:
-            # Every token at unit RMS: each weighs the same in the objective, instead of in
-            # proportion to its squared norm (a few massive-activation tokens otherwise own H).
             norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-            scale = torch.where(norm > 0, self.in_features**0.5 / norm, torch.ones_like(norm))
-            x = x * scale
-        # A non-finite input value makes its feature's diagonal entry non-finite, so checking
-        # the K diagonal entries of the update (not all T x K inputs) finds every bad batch.
-        update = x.T @ x
-        if not bool(torch.isfinite(update.diagonal()).all()):
+            finite = bool(torch.isfinite(norm).all())
+        else:
+            finite = bool(torch.isfinite(x.sum(dim=0)).all())
+        if not finite:
             bad = int((~torch.isfinite(raw)).sum())
-            what = f"{bad} NaN/Inf values (of {raw.numel()})" if bad else "values whose squares overflow"
+            what = f"{bad} NaN/Inf values (of {raw.numel()})" if bad else "values too large to sum"
             raise ValueError(
                 f"calibration input contains {what}; the model overflows on this data: check "
                 "its dtype (use float32) and the inputs"
             )
-        self.sum += update
+        if self.normalize_tokens:
+            # Every token at unit RMS: each weighs the same in the objective, instead of in
+            # proportion to its squared norm (a few massive-activation tokens otherwise own H).
+            x = x * torch.where(norm > 0, self.in_features**0.5 / norm, torch.ones_like(norm))
+        self.sum.addmm_(x.T, x)  # in place: no K x K temporary
         self.count += x.shape[0]
 
     def merge(self, other: "Hessian") -> "Hessian":

@@ -82,14 +82,16 @@ class Memo:
         replaying = [c for c in self.children if c.outputs is not None]
         recording = [] if last else [c for c in self.children if c.outputs is None and not c.pending]
         saved: list[tuple[nn.Module, Any]] = []
-        handles = []
+        # Both record and replay replace the child's forward (not hooks): the module's own
+        # hooks then run exactly once on every call, recorded or replayed.
         for child in replaying:
             saved.append((child.module, child.module.__dict__.get("forward")))
             child.module.forward = self._replayer(child, last)
         for child in recording:
+            saved.append((child.module, child.module.__dict__.get("forward")))
             child.calls = {}
-            handles.append(child.module.register_forward_hook(self._recorder(child)))
             child.outputs = {}
+            child.module.forward = self._recorder(child, child.module.forward)
 
         def at_batch(b: int) -> None:
             self.batch = b
@@ -99,8 +101,6 @@ class Memo:
             yield at_batch
             ok = True
         finally:
-            for h in handles:
-                h.remove()
             for module, old in saved:
                 if old is None:
                     del module.forward
@@ -118,15 +118,17 @@ class Memo:
                     child.outputs = None
             self.batch = -1
 
-    def _recorder(self, child: _Child) -> Callable:
-        def hook(_m: nn.Module, _args: tuple, output: Any) -> None:
+    def _recorder(self, child: _Child, real: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            output = real(*args, **kwargs)
             b = self.batch
             child.calls[b] = child.calls.get(b, 0) + 1
             assert child.outputs is not None
             # A copy: the block may still modify its child's output in place (x.mul_(...)).
             child.outputs[b] = _copy(_detached(output))
+            return output
 
-        return hook
+        return forward
 
     def _replayer(self, child: _Child, last: bool) -> Callable:
         def forward(*_args: Any, **_kwargs: Any) -> Any:

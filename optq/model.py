@@ -37,8 +37,12 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def get_weight(module: nn.Module) -> torch.Tensor:
-    """The weight in ``nn.Linear`` layout [out_features, in_features] (a view, not a copy)."""
-    w = module.weight.data
+    """The weight in ``nn.Linear`` layout [out_features, in_features] (a view, not a copy).
+
+    A ``detach()``ed view, which shares the parameter's version counter (``.data`` would not):
+    in-place changes of the parameter stay visible through ``_version``.
+    """
+    w = module.weight.detach()
     return w.T if _is_conv1d(module) else w
 
 

@@ -216,6 +216,8 @@ def _settle_solutions(prefix: str, block: nn.Module, home: torch.device, report:
         sol = report.solutions.get(name)
         if sol is None:
             continue
+        # The view shares the parameter's version counter: a later in-place change of the
+        # model's weight is noticed by the solution (see Solution.drop_codes).
         sol.weight = model_util.get_weight(mod)
         for field in ("scales", "zeros", "g_idx", "perm"):
             setattr(sol, field, getattr(sol, field).to(home))

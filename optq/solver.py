@@ -77,7 +77,8 @@ class Solution:
         + zero`` gives the code back whenever that rounding is finer than half a grid step
         (float32, float16; not bfloat16 at 8 bits). This is checked, not assumed. The pipeline
         uses it to keep one byte per weight fewer while a model is quantized; ``weight`` must then
-        not change (it is the model's own weight tensor there).
+        not change (it is the model's own weight tensor there): reading ``codes`` after an
+        in-place change of ``weight`` raises RuntimeError instead of returning other codes.
         """
         stored = self.__dict__.get("_codes")
         if stored is None:
@@ -85,12 +86,21 @@ class Solution:
         if not torch.equal(self._codes_from_weight(), stored.to(self.scales.device)):
             return False
         self.__dict__["_codes"] = None
+        self.__dict__["_weight_version"] = self.weight._version
         return True
 
 
 def _get_codes(self: Solution) -> torch.Tensor:
     stored = self.__dict__.get("_codes")
-    return stored if stored is not None else self._codes_from_weight()
+    if stored is not None:
+        return stored
+    if self.weight._version != self.__dict__.get("_weight_version"):
+        raise RuntimeError(
+            "the codes of this solution were dropped (see Solution.drop_codes) and its weight, "
+            "the model's own, has been modified in place since (load_state_dict, training, "
+            "another quantization); save the checkpoint before changing the model"
+        )
+    return self._codes_from_weight()
 
 
 def _set_codes(self: Solution, value: torch.Tensor) -> None:

@@ -51,6 +51,10 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="2 NaN/Inf"):
         h.update(x)
     assert h.count == 0  # nothing was added
+    normed = optq.Hessian(4, normalize_tokens=True)
+    with pytest.raises(ValueError, match="2 NaN/Inf"):
+        normed.update(x)
+    assert normed.count == 0 and torch.equal(normed.sum, torch.zeros(4, 4))
     with pytest.raises(ValueError, match="expects 4"):
         h.update(torch.randn(5, 3))
     with pytest.raises(ValueError, match="in_features"):

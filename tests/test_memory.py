@@ -172,3 +172,62 @@ def test_drop_codes_refuses_when_the_weight_no_longer_matches():
 def test_releaser_is_a_noop_off_cpu():
     assert memory.releaser("meta")() is None
     memory.releaser("cpu")()  # trims, or does nothing where there is no glibc
+
+
+class _EmbBlock(torch.nn.Module):
+    """Reads the model's embeddings on every layer (passed as a keyword, as Zamba does)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, d)
+        self.gate = torch.nn.Linear(d, d)
+
+    def forward(self, h, emb=None):
+        return h + self.fc(self.norm(h)) + self.gate(emb)
+
+
+class _EmbModel(_Model):
+    def forward(self, input_ids):
+        e = self.emb(input_ids)
+        h = e
+        for layer in self.layers:
+            h = layer(h, emb=e)
+        return h
+
+
+def test_block_outputs_never_overwrite_tensors_the_model_passes_on():
+    # The first block's input IS the embeddings tensor also passed to every block as `emb`:
+    # outputs must replace inputs, not be written into them.
+    calib = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    weights = []
+    for strategy in ("pause", "replay"):
+        torch.manual_seed(0)
+        model = _EmbModel(_EmbBlock, n=3)
+        report = _run(model, calib=calib, config=optq.QuantConfig(bits=4, group_size=-1),
+                      strategy=strategy, batch_size=2)
+        weights.append({n: s.weight.clone() for n, s in report.solutions.items()})
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_a_childs_own_forward_hooks_run_once_when_its_output_is_replayed():
+    results = []
+    for strategy in ("pause", "replay"):
+        model = build("llama")
+        for layer in model.model.layers:  # e.g. a steering hook rescaling the attention output
+            layer.self_attn.register_forward_hook(lambda m, a, out: (out[0] * 0.5,) + tuple(out[1:]))
+        results.append(_run(model, strategy=strategy, batch_size=2))
+    for name in results[0].solutions:
+        assert torch.equal(results[0].solutions[name].weight, results[1].solutions[name].weight), name
+
+
+def test_dropped_codes_refuse_to_follow_a_modified_model():
+    model = build("llama")
+    report = _run(model, config=optq.QuantConfig(bits=4, group_size=16))
+    name = next(iter(report.solutions))
+    codes = report.solutions[name].codes.clone()
+    model.load_state_dict(build("llama", seed=1).state_dict())  # the model changes in place
+    with pytest.raises(RuntimeError, match="modified in place"):
+        report.solutions[name].codes
+    assert codes.dtype == torch.uint8
