@@ -100,7 +100,9 @@ def capture_inputs(
                 h, rest, as_kw = kwargs.pop("hidden_states"), (), True
             calls[i].append(Call(store(rest), store(kwargs), as_kw))
             if i == 0:
-                hidden.append(h.detach().to(device))
+                # A private copy: block outputs are later written into these buffers, and the
+                # model may still hold (and pass to other blocks) the tensor it gave us.
+                hidden.append(h.detach().to(device, copy=True))
             if i == len(blocks) - 1:
                 raise _Stop
             if not template:
