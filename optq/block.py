@@ -114,12 +114,12 @@ def _forward_in_place(block: nn.Module, hidden: list[torch.Tensor], calls: list[
 
 def _keep(hidden: list[torch.Tensor], b: int, out: torch.Tensor) -> None:
     # New long-lived tensors allocated between a pass's temporaries fragment the heap (measured:
-    # +0.5 GB of peak on SmolLM2); writing into the existing buffer avoids that.
+    # +0.3 GB of peak on SmolLM2); writing into the existing buffer avoids that.
     old = hidden[b]
     if out.shape == old.shape and out.dtype == old.dtype and out.device == old.device:
         old.copy_(out)
-    else:
-        hidden[b] = out.detach().clone() if out.data_ptr() == old.data_ptr() else out
+    else:  # a block that changes the hidden states' shape: a new private buffer
+        hidden[b] = out.detach().clone()
 
 
 def _in_features(module: nn.Module) -> int:
