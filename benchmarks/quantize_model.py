@@ -72,15 +72,13 @@ def reset_peak() -> bool:
 
 
 def trim_heap() -> None:
-    """Return the heap's free pages (glibc) so the next phase starts from what is alive."""
-    import ctypes
+    """Return the heap's free pages so the next phase starts from what is alive."""
     import gc
 
+    from optq.memory import releaser
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    releaser("cpu")()
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -108,18 +106,19 @@ def memory_terms(model: torch.nn.Module, report: optq.Report, args: argparse.Nam
     tokens = args.nsamples * args.seqlen
     batch_tokens = min(args.batch_size, args.nsamples) * args.seqlen
     act = tokens * h * 4
-    groups: dict[tuple[str, int], int] = {}  # rows of each stacked solve
+    groups: dict[tuple[str, int], tuple[int, int]] = {}  # (rows, cols) of each stacked solve
     for name, layer in report.layers.items():
         key = (name.rsplit(".", 2)[0], layer.subset)
-        groups[key] = groups.get(key, 0) + layer.shape[0]
-    cols = {(n.rsplit(".", 2)[0], r.subset): r.shape[1] for n, r in report.layers.items()}
-    largest = max(rows * cols[k] for k, rows in groups.items())
+        rows, cols = groups.get(key, (0, layer.shape[1]))
+        groups[key] = (rows + layer.shape[0], cols)
+    largest = max(rows * cols for rows, cols in groups.values())
+    widest = max(cols for _, cols in groups.values())
     terms = {
         "activations": act,
         "recorded_outputs": act if args.strategy == "replay" else 0,  # the attention's, replayed
         "original_outputs": act if args.propagate == "original" else 0,
         "batch_temporaries": batch_tokens * (3 * i + 3 * h) * 4,
-        "solve": 6 * largest * 4 + max(c for c in cols.values()) ** 2 * 4,
+        "solve": 6 * largest * 4 + widest**2 * 4,
     }
     if args.strategy == "pause":
         terms["paused_forwards"] = tokens * (i + 2 * h) * 4

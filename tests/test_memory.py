@@ -21,6 +21,21 @@ def _count_calls(module, counter, key):
     return module.register_forward_hook(hook)
 
 
+def _both_strategies(make_model, **kw):
+    """Quantize a fresh ``make_model()`` with strategy pause, then replay: (models, reports)."""
+    models, reports = [], []
+    for strategy in ("pause", "replay"):
+        models.append(make_model())
+        reports.append(_run(models[-1], strategy=strategy, batch_size=2, **kw))
+    return models, reports
+
+
+def _assert_same_weights(a, b):
+    assert set(a.solutions) == set(b.solutions)
+    for name in a.solutions:
+        assert torch.equal(a.solutions[name].weight, b.solutions[name].weight), name
+
+
 def test_replay_reuses_the_finished_attention_and_matches_pause():
     a, b = build("llama"), build("llama")
     counts: dict[str, int] = {}
@@ -30,8 +45,7 @@ def test_replay_reuses_the_finished_attention_and_matches_pause():
     rb = _run(b, calib=calib, strategy="replay", batch_size=2)
     for h in handles:
         h.remove()
-    for name in ra.solutions:
-        assert torch.equal(ra.solutions[name].weight, rb.solutions[name].weight), name
+    _assert_same_weights(ra, rb)
     # Per block, 3 batches: one discovery forward, then q_proj runs in the o_proj pass and in
     # the gate/up pass (which records the attention's output); the down_proj pass and the final
     # pass replay the recorded output instead. Without the memo it would run 1 + 3 x 4 times.
@@ -71,21 +85,17 @@ class _Model(torch.nn.Module):
         return h
 
 
+def _seeded(cls, *args, **kw):
+    torch.manual_seed(0)
+    return cls(*args, **kw)
+
+
 def test_memo_hands_out_copies_to_blocks_that_write_in_place():
-    cfg = optq.QuantConfig(bits=4, group_size=-1)
     calib = torch.randint(0, 32, (6, 8), generator=torch.Generator().manual_seed(0))
-    results = []
-    for strategy in ("pause", "replay"):
-        torch.manual_seed(0)
-        model = _Model(_InPlaceBlock)
-        report = _run(model, calib=calib, config=cfg, strategy=strategy, batch_size=2)
-        results.append({n: s.weight.clone() for n, s in report.solutions.items()})
-        out = model(calib)
-        results.append(out)
-    pause_w, pause_out, replay_w, replay_out = results
-    for name in pause_w:
-        assert torch.equal(pause_w[name], replay_w[name]), name
-    assert torch.equal(pause_out, replay_out)
+    (pause_model, replay_model), (pause, replay) = _both_strategies(
+        lambda: _seeded(_Model, _InPlaceBlock), calib=calib, config=optq.QuantConfig(bits=4, group_size=-1))
+    _assert_same_weights(pause, replay)
+    assert torch.equal(pause_model(calib), replay_model(calib))
 
 
 def test_memo_records_only_finished_children_called_once():
@@ -198,28 +208,22 @@ class _EmbModel(_Model):
 
 def test_block_outputs_never_overwrite_tensors_the_model_passes_on():
     # The first block's input IS the embeddings tensor also passed to every block as `emb`:
-    # outputs must replace inputs, not be written into them.
+    # block outputs must never be written into a tensor the model still holds.
     calib = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
-    weights = []
-    for strategy in ("pause", "replay"):
-        torch.manual_seed(0)
-        model = _EmbModel(_EmbBlock, n=3)
-        report = _run(model, calib=calib, config=optq.QuantConfig(bits=4, group_size=-1),
-                      strategy=strategy, batch_size=2)
-        weights.append({n: s.weight.clone() for n, s in report.solutions.items()})
-    for name in weights[0]:
-        assert torch.equal(weights[0][name], weights[1][name]), name
+    _, (pause, replay) = _both_strategies(
+        lambda: _seeded(_EmbModel, _EmbBlock, n=3), calib=calib, config=optq.QuantConfig(bits=4, group_size=-1))
+    _assert_same_weights(pause, replay)
 
 
 def test_a_childs_own_forward_hooks_run_once_when_its_output_is_replayed():
-    results = []
-    for strategy in ("pause", "replay"):
+    def hooked():
         model = build("llama")
         for layer in model.model.layers:  # e.g. a steering hook rescaling the attention output
             layer.self_attn.register_forward_hook(lambda m, a, out: (out[0] * 0.5,) + tuple(out[1:]))
-        results.append(_run(model, strategy=strategy, batch_size=2))
-    for name in results[0].solutions:
-        assert torch.equal(results[0].solutions[name].weight, results[1].solutions[name].weight), name
+        return model
+
+    _, (pause, replay) = _both_strategies(hooked)
+    _assert_same_weights(pause, replay)
 
 
 def test_dropped_codes_refuse_to_follow_a_modified_model():
