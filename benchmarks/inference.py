@@ -43,7 +43,8 @@ def _quantize(src: Path, dst: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     import optq
-    from optq.model import find_blocks, find_linears, get_weight
+    from optq.formats.linears import find_linears, get_weight
+    from optq.pipeline.discovery import find_blocks
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     prefix, _ = find_blocks(model)

@@ -75,7 +75,7 @@ def trim_heap() -> None:
     """Return the heap's free pages so the next phase starts from what is alive."""
     import gc
 
-    from optq.memory import releaser
+    from optq.pipeline.memory import releaser
 
     gc.collect()
     releaser("cpu")()
@@ -92,8 +92,8 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def calibration(tokenizer, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
     """The peers' windows: random, seeded, from the first 2M characters of enwiki."""
-    from optq.corpora import corpus_text
-    from optq.data import calibration_tokens, tokenize
+    from optq.data.corpora import corpus_text
+    from optq.data.tokens import calibration_tokens, tokenize
 
     stream = tokenize(corpus_text("enwiki")[:CALIB_CHARS], tokenizer)
     return calibration_tokens(stream, nsamples, seqlen, seed)
@@ -126,7 +126,7 @@ def memory_terms(model: torch.nn.Module, report: optq.Report, args: argparse.Nam
 
 
 def run_once(args: argparse.Namespace) -> dict:
-    from optq.zoo import load_model
+    from optq.data.zoo import load_model
 
     trim_heap()
     runtime_mb = rss_mb()  # python, torch, transformers, optq: before any model or data

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import optq
-from optq.factor import inverse_factor
-from optq.synthetic import correlated_inputs
+from optq.core.factor import inverse_factor
+from optq.core.synthetic import correlated_inputs
 
 
 def classic_gptq(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group: int = 128, act_order: bool = False) -> torch.Tensor:

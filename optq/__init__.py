@@ -12,6 +12,9 @@ Example::
     True
 
 Importing the package has no side effects; submodules load on first use of their names.
+The layers (see docs/architecture.md): ``optq.core`` (the math), ``optq.formats`` (packing and
+checkpoints), ``optq.data`` (corpora, token sets, the model zoo), ``optq.pipeline`` (whole
+models), ``optq.eval`` (perplexity, comparisons) and ``optq.cli``.
 """
 
 from __future__ import annotations
@@ -24,22 +27,22 @@ __version__ = "0.1.0"
 # public name -> submodule that defines it (loaded lazily, so `import optq` stays cheap and
 # never pulls in transformers).
 _EXPORTS = {
-    "QuantConfig": "config",
-    "Hessian": "hessian",
-    "Solution": "solver",
-    "gptq": "solver",
-    "rtn": "solver",
-    "obq": "obq",
-    "objective": "solver",
-    "FactorizationError": "factor",
-    "pack": "packing",
-    "unpack": "packing",
-    "QuantLinear": "nn",
-    "quantize": "pipeline",
-    "Report": "pipeline",
-    "save": "checkpoint",
-    "load": "checkpoint",
-    "perplexity": "evaluate",
+    "QuantConfig": "core.config",
+    "Hessian": "core.hessian",
+    "Solution": "core.solver",
+    "gptq": "core.solver",
+    "rtn": "core.solver",
+    "obq": "core.obq",
+    "objective": "core.solver",
+    "FactorizationError": "core.factor",
+    "pack": "formats.packing",
+    "unpack": "formats.packing",
+    "QuantLinear": "formats.qlinear",
+    "quantize": "pipeline.loop",
+    "Report": "pipeline.report",
+    "save": "formats.checkpoint",
+    "load": "formats.checkpoint",
+    "perplexity": "eval.perplexity",
 }
 
 __all__ = ["__version__", *_EXPORTS]

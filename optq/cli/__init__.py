@@ -23,7 +23,7 @@ class CliError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser with every subcommand registered."""
-    from .. import __version__
+    from optq import __version__
 
     parser = argparse.ArgumentParser(
         prog="optq", description="GPTQ post-training weight quantization for language models."

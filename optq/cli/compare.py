@@ -15,7 +15,7 @@ __all__ = ["register", "run", "table", "plot"]
 
 def register(subparsers: Any) -> None:
     """Add the ``compare`` subcommand."""
-    from ..compare import VARIANT_HELP
+    from optq.eval.compare import VARIANT_HELP
 
     p = subparsers.add_parser(
         "compare",
@@ -47,9 +47,10 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; prints a table as each variant finishes, then writes JSON and PNG."""
-    from .. import data, zoo
-    from ..compare import compare, parse_variant
-    from ..config import QuantConfig
+    from optq.core.config import QuantConfig
+    from optq.data import tokens as data
+    from optq.data import zoo
+    from optq.eval.compare import compare, parse_variant
 
     try:
         base = QuantConfig(bits=args.bits, group_size=args.group_size, sym=args.sym, damp=args.damp)

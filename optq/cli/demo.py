@@ -50,10 +50,12 @@ def run_model(args: argparse.Namespace) -> int:
     """The whole-model demo."""
     import torch
 
-    from .. import corpora, data, zoo
-    from ..checkpoint import save
-    from ..compare import compare, parse_variant
-    from ..config import QuantConfig
+    from optq.core.config import QuantConfig
+    from optq.data import corpora, zoo
+    from optq.data import tokens as data
+    from optq.eval.compare import compare, parse_variant
+    from optq.formats.checkpoint import save
+
     from .compare import plot, table
 
     t0 = time.perf_counter()
@@ -108,7 +110,7 @@ def run_layer(args: argparse.Namespace) -> int:
     import torch
 
     import optq
-    from optq.synthetic import correlated_inputs
+    from optq.core.synthetic import correlated_inputs
 
     if args.size < 8:
         raise CliError("--size must be at least 8")

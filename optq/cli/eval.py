@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
     """Evaluate, print a table, optionally write JSON."""
     import torch
 
-    from ..corpora import CorpusError
-    from ..data import load_tokens
-    from ..evaluate import perplexity_detail
-    from ..zoo import ModelNotInstalledError, eval_bos_id, load_model
+    from optq.data.corpora import CorpusError
+    from optq.data.tokens import load_tokens
+    from optq.data.zoo import ModelNotInstalledError, eval_bos_id, load_model
+    from optq.eval.perplexity import perplexity_detail
 
     corpora = [c.strip() for c in args.data.split(",") if c.strip()]
     if not corpora:

@@ -11,7 +11,7 @@ MODEL_NAMES = ("gemma3-270m", "smollm2-135m")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``fetch`` subcommand."""
-    from ..corpora import known_corpora
+    from optq.data.corpora import known_corpora
 
     # Model names are spelled out rather than imported: optq.zoo pulls in torch, and building
     # the parser must stay fast (tests check the list against optq.zoo.known_models()).
@@ -28,8 +28,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Fetch each name in turn; stop at the first failure."""
-    from ..corpora import CorpusError, fetch_corpus, is_corpus_name, known_corpora
-    from ..zoo import MODELS, ModelNotInstalledError, ensure_installed, install, known_models, resolve_model
+    from optq.data.corpora import (
+        CorpusError,
+        fetch_corpus,
+        is_corpus_name,
+        known_corpora,
+    )
+    from optq.data.zoo import (
+        MODELS,
+        ModelNotInstalledError,
+        ensure_installed,
+        install,
+        known_models,
+        resolve_model,
+    )
 
     unknown = [n for n in args.names if n not in MODELS and not is_corpus_name(n)]
     if unknown:

@@ -34,7 +34,7 @@ def marlin_note(qc: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the config, the quantized layers, size on disk against fp32, Marlin support."""
-    from ..checkpoint_io import read_index
+    from optq.formats.files import read_index
 
     folder: Path = args.folder
     try:
@@ -83,6 +83,6 @@ def len_k(index: dict, name: str) -> int:
 
 
 def _weight_shape(folder: Path, index: dict, name: str) -> list[int]:
-    from ..checkpoint_io import read_tensors
+    from optq.formats.files import read_tensors
 
     return next(read_tensors(folder, index, [f"{name}.weight_shape"]))[1].tolist()

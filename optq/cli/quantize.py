@@ -74,7 +74,7 @@ def register(subparsers: Any) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The QuantConfig the flags describe (a user error becomes a CliError)."""
-    from ..config import QuantConfig
+    from optq.core.config import QuantConfig
 
     try:
         return QuantConfig(
@@ -89,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def _load_model(name: str) -> tuple[Any, Any]:
-    from ..zoo import known_models, load_model
+    from optq.data.zoo import known_models, load_model
 
     try:
         return load_model(name)
@@ -101,7 +101,7 @@ def _load_model(name: str) -> tuple[Any, Any]:
 
 
 def _calibration_tokens(source: str, tokenizer: Any) -> Any:
-    from ..data import load_tokens
+    from optq.data.tokens import load_tokens
 
     try:
         return load_tokens(source, tokenizer, "calib")
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not args.overwrite:
         raise CliError(f"output folder {out} exists; pass --overwrite to replace it")
     config = config_from_args(args)
-    from ..pipeline import quantize
+    from optq.pipeline.loop import quantize
 
     t0 = time.perf_counter()
     model, tokenizer = _load_model(args.model)
@@ -144,7 +144,7 @@ def _write(out: Path, model: Any, tokenizer: Any, report: Any, *, overwrite: boo
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        from ..checkpoint import save
+        from optq.formats.checkpoint import save
 
         save(model, tmp, solutions=report.solutions, tokenizer=tokenizer, report=report)
         if not any((tmp / n).exists() for n in REPORT_FILES):

@@ -1,0 +1,92 @@
+"""The quantization grid: fitting scales and zero points, quantizing and dequantizing.
+
+Conventions (the GPTQ checkpoint's): integer codes q in [0, maxq], maxq = 2^bits - 1, and
+
+    w ≈ scale * (q - zero)
+
+with one (scale, zero) per output row and group of input columns. Symmetric grids fix
+zero = 2^(bits-1) and scale = 2 * absmax / maxq; asymmetric grids stretch [min(w, 0), max(w, 0)]
+over the codes with an integer zero point. Everything here works on [rows, cols] tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optq.core.config import QuantConfig
+
+__all__ = ["fit", "quantize", "dequantize", "fake_quantize", "group_index"]
+
+
+def _params_from_range(
+    xmin: torch.Tensor, xmax: torch.Tensor, config: QuantConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    maxq = config.maxq
+    if config.sym:
+        absmax = torch.maximum(xmin.abs(), xmax.abs())
+        # An all-zero row still needs a usable scale; any positive value reproduces zeros.
+        absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+        scale = 2 * absmax / maxq
+        zero = torch.full_like(scale, float((maxq + 1) // 2))
+    else:
+        xmin = torch.minimum(xmin, torch.zeros_like(xmin))
+        xmax = torch.maximum(xmax, torch.zeros_like(xmax))
+        empty = (xmax - xmin) == 0
+        xmin = torch.where(empty, -torch.ones_like(xmin), xmin)
+        xmax = torch.where(empty, torch.ones_like(xmax), xmax)
+        scale = (xmax - xmin) / maxq
+        zero = torch.round(-xmin / scale).clamp_(0, maxq)
+    return scale, zero
+
+
+def fit(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fit one (scale, zero) per row of ``w`` [rows, cols]; returns two [rows] tensors.
+
+    With ``config.mse`` the range is shrunk step by step (up to ``mse_maxshrink``) and, per row,
+    the shrink with the least ``sum |w - dequant(quant(w))| ** mse_norm`` is kept.
+    """
+    xmin = w.amin(dim=1)
+    xmax = w.amax(dim=1)
+    scale, zero = _params_from_range(xmin, xmax, config)
+    if not config.mse:
+        return scale, zero
+    best = _rounding_error(w, scale, zero, config)
+    for i in range(1, int(config.mse_maxshrink * config.mse_grid) + 1):
+        p = 1.0 - i / config.mse_grid
+        s, z = _params_from_range(p * xmin, p * xmax, config)
+        err = _rounding_error(w, s, z, config)
+        better = err < best
+        if better.any():
+            best = torch.where(better, err, best)
+            scale = torch.where(better, s, scale)
+            zero = torch.where(better, z, zero)
+    return scale, zero
+
+
+def _rounding_error(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig
+) -> torch.Tensor:
+    s, z = scale.unsqueeze(1), zero.unsqueeze(1)
+    err = (fake_quantize(w, s, z, config.maxq) - w).abs_()
+    return err.pow_(config.mse_norm).sum(dim=1)
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Integer codes (as w's float dtype) of ``w`` on the grid; scale/zero broadcast against w."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``scale * (q - zero)``: the one formula every kernel of the checkpoint format uses."""
+    return scale * (q - zero)
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Round ``w`` to the nearest grid point (quantize then dequantize)."""
+    return dequantize(quantize(w, scale, zero, maxq), scale, zero)
+
+
+def group_index(columns: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """g_idx for natural column order: column k belongs to group k // group_size (-1 = one group)."""
+    g = columns if group_size == -1 else group_size
+    return torch.arange(columns, device=device, dtype=torch.int32) // g

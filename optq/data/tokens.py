@@ -1,0 +1,175 @@
+"""Calibration and evaluation token sets from named corpora, text/JSON-lines files or HF datasets.
+
+Example::
+
+    >>> import torch
+    >>> tokens = torch.arange(1000)
+    >>> calibration_tokens(tokens, nsamples=4, seqlen=16, seed=0).shape
+    torch.Size([4, 16])
+    >>> eval_windows(tokens, seqlen=16, windows=2, bos_id=7)[:, :3].tolist()
+    [[7, 0, 1], [7, 15, 16]]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optq.data.corpora import (
+    CorpusError,
+    Split,
+    corpus_parts,
+    is_corpus_name,
+    known_corpora,
+    split_text,
+)
+
+__all__ = ["load_text", "tokenize", "load_tokens", "calibration_tokens", "eval_windows", "FILE_SPLIT"]
+
+log = logging.getLogger("optq.data")
+
+PARTS = ("calib", "eval", "all")
+# Files have no fixed size: calibrate on the first two thirds, evaluate on the last third.
+FILE_SPLIT = 2 / 3
+HF_PREFIX = "hf:"
+
+
+def load_text(name_or_path: str | Path, part: str = "calib", *, field: str = "text") -> str:
+    """The text of one part ("calib", "eval" or "all") of a corpus, file or HF dataset.
+
+    Accepts a named corpus (see ``optq.data.corpora``), a ``.txt`` file, a ``.jsonl`` file (the
+    string ``field`` of each line, joined by blank lines), or ``hf:PATH[:CONFIG]`` for a Hugging
+    Face dataset when ``datasets`` is installed ("calib" = its train split, "eval" = its test
+    split, else validation). Files are split at two thirds of their characters.
+    """
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
+    key = str(name_or_path)
+    if key.startswith(HF_PREFIX):
+        return _hf_text(key[len(HF_PREFIX):], part, field)
+    if is_corpus_name(key):
+        calib, evaluation = corpus_parts(key)
+        if part == "all":
+            raise ValueError(f"corpus {key!r} has only 'calib' and 'eval' parts (they never overlap)")
+        return calib if part == "calib" else evaluation
+    path = Path(key).expanduser()
+    if not path.is_file():
+        raise CorpusError(
+            f"{key!r} is not a known corpus or a file; known corpora: {', '.join(known_corpora())}; "
+            "or give a .txt or .jsonl file, or hf:DATASET[:CONFIG]"
+        )
+    text = _jsonl_text(path, field) if path.suffix in (".jsonl", ".ndjson") else path.read_text(encoding="utf-8")
+    if part == "all":
+        return text
+    cut = Split(calib_chars=max(1, int(len(text) * FILE_SPLIT)))
+    calib, evaluation = split_text(text, cut, what=str(path))
+    return calib if part == "calib" else evaluation
+
+
+def _jsonl_text(path: Path, field: str) -> str:
+    texts = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            value = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                raise CorpusError(f"{path}:{lineno} has no string field {field!r}; name the text field to use")
+            texts.append(value)
+    return "\n\n".join(texts)
+
+
+def _hf_text(spec: str, part: str, field: str) -> str:
+    if importlib.util.find_spec("datasets") is None:
+        raise CorpusError(
+            f"hf:{spec} needs the Hugging Face `datasets` library (pip install datasets) and "
+            "access to the hub; offline, use a named corpus or a .txt/.jsonl file"
+        )
+    import datasets
+
+    path, _, config = spec.partition(":")
+    splits = {"calib": ["train"], "eval": ["test", "validation"], "all": ["train"]}[part]
+    available = datasets.get_dataset_split_names(path, config or None)
+    for split in splits:
+        if split in available:
+            data = datasets.load_dataset(path, config or None, split=split)
+            return "\n\n".join(str(x) for x in data[field])
+    raise CorpusError(f"dataset {spec!r} has splits {available}; part {part!r} needs one of {splits}")
+
+
+def tokenize(text: str, tokenizer: Any) -> torch.Tensor:
+    """Token ids of ``text`` as a 1-D LongTensor, without special tokens (no BOS/EOS added)."""
+    # verbose=False: the whole corpus is far longer than model_max_length on purpose.
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def load_tokens(name_or_path: str | Path, tokenizer: Any, part: str = "calib", *, field: str = "text") -> torch.Tensor:
+    """:func:`load_text` followed by :func:`tokenize`."""
+    tokens = tokenize(load_text(name_or_path, part, field=field), tokenizer)
+    log.info("%s (%s): %s tokens", name_or_path, part, f"{tokens.numel():,}")
+    return tokens
+
+
+def _as_1d(tokens: torch.Tensor | Any) -> torch.Tensor:
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() == 2 and tokens.shape[0] == 1:
+        tokens = tokens[0]
+    if tokens.dim() != 1:
+        raise ValueError(f"expected a 1-D token sequence, got shape {tuple(tokens.shape)}")
+    return tokens
+
+
+def calibration_tokens(tokens_1d: torch.Tensor, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``nsamples`` random windows of ``seqlen`` tokens: LongTensor ``[nsamples, seqlen]``.
+
+    Start positions are drawn uniformly (with replacement) from ``0 .. n - seqlen - 1`` by a
+    ``torch.Generator`` seeded with ``seed``, so the same tokens and seed give the same windows on
+    every machine. The text needs at least ``seqlen + 1`` tokens (as in the GPTQ reference).
+    """
+    tokens = _as_1d(tokens_1d)
+    if nsamples <= 0 or seqlen <= 0:
+        raise ValueError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
+    n = tokens.numel()
+    if n < seqlen + 1:
+        raise ValueError(
+            f"the calibration text has {n:,} tokens; windows of {seqlen} need at least {seqlen + 1:,}; "
+            "give more text or a smaller seqlen"
+        )
+    generator = torch.Generator().manual_seed(int(seed))
+    starts = torch.randint(0, n - seqlen, (nsamples,), generator=generator)
+    offsets = torch.arange(seqlen)
+    return tokens[starts[:, None] + offsets[None, :]]
+
+
+def eval_windows(tokens_1d: torch.Tensor, seqlen: int, windows: int | None = None,
+                 bos_id: int | None = None) -> torch.Tensor:
+    """Consecutive non-overlapping windows from the start: LongTensor ``[windows, seqlen]``.
+
+    Without ``bos_id`` each window holds ``seqlen`` text tokens; with it, each window is
+    ``bos_id`` followed by the next ``seqlen - 1`` text tokens. ``windows=None`` takes every
+    complete window; asking for more than the text holds is an error.
+    """
+    tokens = _as_1d(tokens_1d)
+    if seqlen < 2:
+        raise ValueError(f"seqlen must be at least 2 (one context token, one predicted), got {seqlen}")
+    stride = seqlen - 1 if bos_id is not None else seqlen
+    available = tokens.numel() // stride
+    if windows is None:
+        windows = available
+    if windows <= 0 or windows > available:
+        raise ValueError(
+            f"the evaluation text has {tokens.numel():,} tokens, enough for {available} windows of "
+            f"{stride} text tokens; {windows} windows need {max(windows, 1) * stride:,}; give more "
+            "text or fewer windows"
+        )
+    body = tokens[: windows * stride].reshape(windows, stride)
+    if bos_id is None:
+        return body.clone()
+    return torch.cat([torch.full((windows, 1), int(bos_id), dtype=torch.long), body], dim=1)

@@ -1,0 +1,2 @@
+"""Measuring quality: perplexity and side-by-side comparisons of quantization variants.
+"""

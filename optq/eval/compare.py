@@ -1,0 +1,179 @@
+"""Side-by-side quality of quantization variants: fp vs round-to-nearest vs GPTQ (and friends).
+
+Every variant starts from the same fp model, calibrates on the same token windows and is
+evaluated on the same evaluation windows, so the differences are the methods' alone. The
+perplexity increase over the fp model is what a user pays; comparing it across evaluation
+corpora (the calibration domain and others) shows how much of GPTQ's gain is specific to the
+calibration distribution.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.core.config import QuantConfig
+from optq.eval.perplexity import perplexity_detail
+
+__all__ = ["Variant", "parse_variant", "compare", "VARIANT_HELP"]
+
+log = logging.getLogger("optq.compare")
+
+VARIANT_HELP = (
+    "fp | rtn | gptq, each optionally followed by +modifiers: +plain (textbook GPTQ: no act-order, "
+    "no token normalisation), +no_act_order, +no_norm, +act_order (dynamic groups), "
+    "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
+    "(group size), +b<N> (bits), +damp<X>; e.g. gptq+plain, rtn+mse, gptq+g64"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One row of a comparison: a method, its settings and how activations propagate."""
+
+    name: str
+    method: str  # "fp", "rtn" or "gptq"
+    config: QuantConfig | None = None
+    propagate: str = "quantized"
+
+
+def parse_variant(spec: str, base: QuantConfig) -> Variant:
+    """Parse ``gptq+act_order+mse`` style names against ``base`` settings."""
+    method, *mods = spec.strip().split("+")
+    if method not in ("fp", "rtn", "gptq"):
+        raise ValueError(f"unknown variant {spec!r}: {VARIANT_HELP}")
+    if method == "fp":
+        if mods:
+            raise ValueError(f"variant 'fp' takes no modifiers, got {spec!r}")
+        return Variant(name="fp", method="fp")
+    changes: dict[str, Any] = {}
+    propagate = "quantized"
+    for mod in mods:
+        if mod == "act_order":
+            changes.update(act_order=True, static_groups=False)
+        elif mod == "no_act_order":
+            changes.update(act_order=False, static_groups=False)
+        elif mod == "no_norm":
+            changes["normalize_tokens"] = False
+        elif mod == "plain":
+            changes.update(act_order=False, static_groups=False, normalize_tokens=False)
+        elif mod == "static_groups":
+            changes.update(act_order=True, static_groups=True)
+        elif mod == "mse":
+            changes["mse"] = True
+        elif mod in ("sym", "asym"):
+            changes["sym"] = mod == "sym"
+        elif mod == "original":
+            propagate = "original"
+        elif mod[:1] in ("g", "b") and mod[1:].lstrip("-").isdigit():
+            changes["group_size" if mod[0] == "g" else "bits"] = int(mod[1:])
+        elif mod.startswith("damp"):
+            changes["damp"] = float(mod[4:])
+        else:
+            raise ValueError(f"unknown modifier {mod!r} in {spec!r}: {VARIANT_HELP}")
+    if method == "rtn" and set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}:
+        raise ValueError(f"{spec!r}: act-order and propagation modes apply to gptq only")
+    return Variant(name=spec.strip(), method=method, config=dataclasses.replace(base, **changes), propagate=propagate)
+
+
+def round_to_nearest(model: nn.Module, config: QuantConfig) -> dict[str, Any]:
+    """Round every linear of the decoder blocks to nearest on ``config``'s grid, in place."""
+    from optq.core.solver import rtn
+    from optq.formats.linears import find_linears, get_weight, set_weight
+    from optq.pipeline.discovery import find_blocks
+
+    prefix, blocks = find_blocks(model)
+    layers = 0
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            for module in find_linears(block, f"{prefix}.{i}").values():
+                set_weight(module, rtn(get_weight(module), config).weight)
+                layers += 1
+    return {"layers": layers, "blocks": len(blocks)}
+
+
+@dataclass
+class VariantResult:
+    """Perplexities (per evaluation corpus) and quantization cost of one variant."""
+
+    variant: Variant
+    perplexity: dict[str, float] = field(default_factory=dict)
+    detail: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quantize_s: float = 0.0
+    totals: dict[str, Any] = field(default_factory=dict)
+    report: Any = None  # the pipeline's Report (with solutions), not serialised
+
+    def to_dict(self) -> dict[str, Any]:
+        v = self.variant
+        return {
+            "name": v.name,
+            "method": v.method,
+            "propagate": v.propagate if v.method != "fp" else None,
+            "config": v.config.to_dict() if v.config else None,
+            "perplexity": self.perplexity,
+            "detail": self.detail,
+            "quantize_s": self.quantize_s,
+            "report_totals": self.totals,
+        }
+
+
+def compare(
+    base_model: nn.Module,
+    variants: Sequence[Variant],
+    calibration: torch.Tensor,
+    evaluation: Mapping[str, torch.Tensor],
+    *,
+    batch_size: int = 8,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    on_result: Callable[[VariantResult, nn.Module], None] | None = None,
+) -> list[VariantResult]:
+    """Quantize a fresh copy of ``base_model`` per variant and evaluate each on ``evaluation``.
+
+    Args:
+        base_model: the fp model (left untouched; each variant works on a deep copy).
+        calibration: LongTensor [n, seqlen] of calibration windows shared by all variants.
+        evaluation: corpus name -> LongTensor [windows, seqlen] of evaluation windows (BOS
+            already placed where the model needs it).
+        on_result: called with (result, quantized model) after each variant, e.g. to print a
+            row as soon as it is known or to save the model.
+    """
+    from optq.pipeline.loop import (
+        quantize,  # the pipeline pulls in transformers-aware code
+    )
+
+    results = []
+    for v in variants:
+        model = copy.deepcopy(base_model)
+        res = VariantResult(variant=v)
+        if v.method == "rtn":
+            # Round-to-nearest needs no calibration: round each block linear directly.
+            t = time.perf_counter()
+            res.totals = round_to_nearest(model, v.config)
+            res.quantize_s = time.perf_counter() - t
+        elif v.method != "fp":
+            t = time.perf_counter()
+            report = quantize(model, calibration, v.config, method=v.method, propagate=v.propagate,
+                              progress=progress, batch_size=batch_size, device=device)
+            res.quantize_s = time.perf_counter() - t
+            res.totals = report.totals
+            res.report = report
+        for corpus, windows in evaluation.items():
+            d = perplexity_detail(model, windows, seqlen=windows.shape[1], batch_size=batch_size,
+                                  progress=progress, device=device)
+            res.perplexity[corpus] = d.perplexity
+            res.detail[corpus] = d.to_dict()
+            log.info("%s on %s: perplexity %.3f", v.name, corpus, d.perplexity)
+        results.append(res)
+        if on_result is not None:
+            on_result(res, model)
+        del model
+    return results

@@ -1,0 +1,123 @@
+"""Perplexity of a causal language model over consecutive non-overlapping token windows.
+
+What counts: in a window of L tokens the model predicts positions 1..L-1 from the tokens before
+them (position 0, or the BOS token when one starts each window, is context only), so each
+window contributes L-1 predicted tokens. Perplexity = exp(sum of NLL / number of predicted
+tokens), NLL in nats, computed in float32 whatever the model's dtype.
+
+Example::
+
+    >>> import torch, transformers
+    >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    >>> model = transformers.LlamaForCausalLM(cfg)
+    >>> perplexity(model, torch.randint(0, 64, (200,)), seqlen=32) > 1.0
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from optq.data.tokens import eval_windows
+
+__all__ = ["perplexity", "perplexity_detail", "PerplexityResult"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerplexityResult:
+    """The detail of one perplexity evaluation (all fields JSON-friendly)."""
+
+    perplexity: float
+    nll_sum: float  # nats, summed over predicted tokens
+    tokens: int  # predicted tokens = windows * (seqlen - 1)
+    windows: int
+    seqlen: int
+    bos_id: int | None
+
+    @property
+    def mean_nll(self) -> float:
+        """Mean negative log-likelihood per predicted token, in nats."""
+        return self.nll_sum / self.tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return {**asdict(self), "mean_nll": self.mean_nll}
+
+
+def _logits(output: Any) -> torch.Tensor:
+    # HF models return an object with .logits; a bare nn.Module may return a tensor or a tuple.
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    return output
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def perplexity_detail(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 512,
+                      windows: int | None = None, bos_id: int | None = None, batch_size: int = 1,
+                      progress: bool = False, device: str | torch.device | None = None) -> PerplexityResult:
+    """Like :func:`perplexity`, returning the NLL sum, predicted-token count and window count too."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() == 2 and tokens.shape[0] > 1:
+        # Already windows [W, L]: used as given (bos_id is then only recorded).
+        batches = tokens if windows is None else tokens[:windows]
+    else:
+        batches = eval_windows(tokens, seqlen, windows, bos_id)
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    n_windows, length = batches.shape
+    if length < 2:
+        raise ValueError(f"windows need at least 2 tokens, got {length}")
+    device = torch.device(device) if device is not None else _device_of(model)
+    was_training = model.training
+    model.eval()
+    nll_sum = 0.0  # python float accumulates in double precision across windows
+    try:
+        starts = range(0, n_windows, batch_size)
+        for start in tqdm(starts, disable=not progress, desc="perplexity", unit="batch"):
+            batch = batches[start : start + batch_size].to(device)
+            logits = _logits(model(input_ids=batch, use_cache=False))
+            # Position t predicts token t+1: drop the last logit row and the first label.
+            nll = F.cross_entropy(
+                logits[:, :-1, :].float().reshape(-1, logits.shape[-1]),
+                batch[:, 1:].reshape(-1),
+                reduction="sum",
+            )
+            nll_sum += float(nll)
+    finally:
+        model.train(was_training)
+    count = n_windows * (length - 1)
+    return PerplexityResult(perplexity=math.exp(nll_sum / count), nll_sum=nll_sum, tokens=count,
+                            windows=n_windows, seqlen=length, bos_id=bos_id)
+
+
+def perplexity(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 512,
+               windows: int | None = None, bos_id: int | None = None, batch_size: int = 1,
+               progress: bool = False, device: str | torch.device | None = None) -> float:
+    """exp(mean NLL per predicted token) over consecutive non-overlapping windows of ``tokens``.
+
+    ``tokens``: a 1-D token sequence, cut by :func:`optq.data.tokens.eval_windows` into ``windows``
+    windows of ``seqlen`` (each starting with ``bos_id`` when given), or ready windows
+    ``[W, L]``. Each window of L tokens predicts its last L-1 tokens (the first token or BOS is
+    context only). The model runs in eval mode under no_grad with ``use_cache=False``; any
+    module taking ``input_ids=`` and returning logits ``[B, L, V]`` (or an object with
+    ``.logits``) works. ``device`` defaults to the model's.
+    """
+    return perplexity_detail(model, tokens, seqlen=seqlen, windows=windows, bos_id=bos_id,
+                             batch_size=batch_size, progress=progress, device=device).perplexity

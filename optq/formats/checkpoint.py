@@ -1,0 +1,230 @@
+"""Save and load quantized models in the GPTQ checkpoint format (shared/spec/gptq-checkpoint.md)
+and compressed-tensors "pack-quantized". Safetensors only; nothing is ever unpickled.
+
+Where the quantized layers come from, either:
+
+- ``save(model, folder, solutions=report.solutions)``: a model whose linears hold the
+  dequantized weights (as the pipeline leaves them) plus ``{module name: Solution}``; or
+- ``optq.formats.qlinear.replace_linears(model, solutions)`` first, then ``save(model, folder)``: every
+  :class:`~optq.formats.qlinear.QuantLinear` in the model is written.
+
+Example::
+
+    >>> optq.save(model, "out/llama-4bit", solutions=report.solutions, tokenizer=tok)  # doctest: +SKIP
+    >>> model = optq.load("out/llama-4bit")                                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from optq.formats import compressed_tensors as checkpoint_ct
+from optq.formats.files import (
+    atomic_folder,
+    read_index,
+    read_tensors,
+    write_json,
+    write_safetensors,
+)
+from optq.formats.gptq import (
+    CheckpointError,
+    check_gptq_config,
+    gptq_config,
+    quantized_layers,
+)
+from optq.formats.packing import FORMATS
+from optq.formats.qlinear import QuantLinear
+
+if TYPE_CHECKING:
+    from optq.core.solver import Solution
+
+__all__ = ["save", "load", "CheckpointError", "quantized_layers", "gptq_config"]
+
+log = logging.getLogger("optq.checkpoint")
+SAVE_FORMATS = (*FORMATS, "compressed-tensors")
+REPORT_FILE = "quantization_report.json"
+
+
+def _state_dict(model: nn.Module, layers: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Model tensors with quantized layers replaced; tied duplicates (lm_head) dropped."""
+    prefixes = tuple(f"{n}." for n in layers)
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for key, t in model.state_dict().items():
+        if key.startswith(prefixes):
+            continue
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if ident in seen:
+            continue  # tied to an earlier tensor (lm_head <- embed_tokens); loaders re-tie
+        seen[ident] = key
+        out[key] = t.detach().contiguous()
+    for name, tensors in layers.items():
+        for k, t in tensors.items():
+            out[f"{name}.{k}"] = t.detach().contiguous()
+    # safetensors refuses tensors sharing memory: copy the (rare) views of one storage.
+    storages: set[int] = set()
+    for key, t in out.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:
+            out[key] = t.clone()
+        storages.add(ptr)
+    return dict(sorted(out.items()))
+
+
+def save(
+    model: nn.Module,
+    folder: str | Path,
+    *,
+    solutions: Mapping[str, Solution] | None = None,
+    format: str = "gptq",
+    tokenizer: Any = None,
+    report: Any = None,
+    max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write a quantized Hugging Face model as a loadable checkpoint folder; returns its path.
+
+    ``format``: "gptq" (v1, zero points stored minus one; what most loaders expect),
+    "gptq_v2" (zero points as is; needed for asymmetric zero points of 0) or
+    "compressed-tensors" (pack-quantized). Writes ``config.json`` with ``quantization_config``,
+    ``quantize_config.json`` (GPTQ formats), safetensors (sharded with an index above
+    ``max_shard_size``), tokenizer files and ``quantization_report.json`` when given. Everything
+    is written to a temporary folder beside ``folder`` and renamed at the end.
+    """
+    if format not in SAVE_FORMATS:
+        raise CheckpointError(f"format={format!r} is unknown; choose one of {SAVE_FORMATS}")
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise FileExistsError(f"{folder} already exists; pass overwrite=True or choose another folder")
+    layers = quantized_layers(model, solutions, format)
+    if format == "compressed-tensors":
+        qconfig, tensors = checkpoint_ct.export(model, layers)
+    else:
+        qconfig = gptq_config(layers, format)
+        tensors = {n: q.state_dict() for n, q in layers.items()}
+    state = _state_dict(model, tensors)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["quantization_config"] = qconfig
+    with atomic_folder(folder, overwrite) as tmp:
+        write_safetensors(tmp, state, max_shard_size)
+        write_json(tmp / "config.json", config)
+        if format != "compressed-tensors":
+            write_json(tmp / "quantize_config.json", qconfig)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if report is not None:
+            write_json(tmp / REPORT_FILE, report if isinstance(report, dict) else report.to_dict())
+    log.info("saved %d quantized layers (%s) to %s", len(layers), format, folder)
+    return folder
+
+
+def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a checkpoint written by :func:`save` (or any GPTQ / pack-quantized one) as a model.
+
+    The architecture is built from ``config.json`` with transformers, its parameters on the meta
+    device (no fp32 weights are materialised for quantized layers); layers with a ``qweight``
+    (or ``weight_packed``) tensor become :class:`~optq.formats.qlinear.QuantLinear`. Every tensor is checked
+    against the expected shape and dtype; missing, unexpected or mismatched tensors raise
+    :class:`CheckpointError`. Other weights are cast to ``dtype``.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optq.formats.linears import get_weight, is_linear
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{folder} has no config.json; is it a saved checkpoint folder?")
+    config = json.loads(config_path.read_text())
+    qc = config.pop("quantization_config", None)
+    if qc is None and (folder / "quantize_config.json").exists():
+        qc = json.loads((folder / "quantize_config.json").read_text())
+    if qc is None:
+        raise CheckpointError(f"{config_path} has no quantization_config; load it with transformers")
+    method = qc.get("quant_method", "gptq")
+    index = read_index(folder)
+    if method == "compressed-tensors":
+        bits, group_size, fmt, index, convert = checkpoint_ct.plan_load(qc, index)
+        marker = ".weight_packed"
+    elif method == "gptq":
+        bits, group_size, fmt = check_gptq_config(qc)
+        convert, marker = None, ".qweight"
+    else:
+        raise CheckpointError(f"quant_method={method!r} is not supported; optq reads 'gptq' and 'compressed-tensors'")
+    names = sorted(k[: -len(marker)] for k in index if k.endswith(marker))
+    if not names:
+        raise CheckpointError(f"{folder} declares {method} quantization but holds no {marker[1:]} tensor")
+
+    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with init_empty_weights(include_buffers=False):  # buffers (rotary tables) stay real
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.tie_weights()  # from_config leaves meta parameters untied; tying follows the config
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise CheckpointError(f"tensor {name}{marker} names no module of {type(model).__name__}") from None
+        if not is_linear(module):
+            raise CheckpointError(f"tensor {name}{marker} names a {type(module).__name__}, not a linear layer")
+        n_out, n_in = get_weight(module).shape
+        layer = QuantLinear(n_in, n_out, bits, group_size, f"{name}.bias" in index, fmt, device="meta")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+
+    expected = model.state_dict(keep_vars=True)
+    tied = _tied_keys(model, expected)
+    missing = [k for k in expected if k not in index and k not in tied]
+    unexpected = [k for k in index if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder} does not match {type(model).__name__} quantized at {bits} bits: "
+            f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    quant_prefixes = tuple(f"{n}." for n in names)
+    for key, (fname, shape, file_dtype) in index.items():
+        want = expected[key]
+        if shape != tuple(want.shape):
+            raise CheckpointError(f"{fname}: tensor {key} has shape {list(shape)}, expected {list(want.shape)}")
+        if key.startswith(quant_prefixes) and not key.endswith(".bias") and file_dtype != want.dtype:
+            raise CheckpointError(f"{fname}: tensor {key} has dtype {file_dtype}, expected {want.dtype}")
+        if file_dtype.is_floating_point != want.dtype.is_floating_point:
+            raise CheckpointError(f"{fname}: tensor {key} has dtype {file_dtype}, expected {want.dtype}")
+
+    state = {}
+    for key, tensor in read_tensors(folder, index, [k for k in index if k not in tied]):
+        want = expected[key]
+        state[key] = tensor.to(want.dtype) if tensor.dtype != want.dtype else tensor
+    if convert is not None:
+        state = convert(state, names)
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(hf_config, "tie_word_embeddings", False) and not isinstance(model.get_output_embeddings(), QuantLinear):
+        model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
+    model.config.quantization_config = qc
+    return model.to(device).eval()
+
+
+def _tied_keys(model: nn.Module, expected: Mapping[str, torch.Tensor]) -> set[str]:
+    """Keys that are the same Parameter as an earlier key (e.g. lm_head.weight when tied)."""
+    seen: set[int] = set()
+    tied = set()
+    for key, t in expected.items():
+        if id(t) in seen:
+            tied.add(key)
+        seen.add(id(t))
+    return tied

@@ -1,0 +1,94 @@
+"""compressed-tensors "pack-quantized" export and import (llm-compressor's and vLLM's format).
+
+Per quantized layer (codes q in [0, 2^b - 1], zero point z, as optq stores them):
+``weight_packed`` int32 [N, ceil(K*b/32)] packs q (= signed code + 2^(b-1)) along K with the
+same dense bit stream as GPTQ; ``weight_scale`` [N, G] in the model's float dtype;
+``weight_zero_point`` int32 [ceil(N*b/32), G] packs z along N (asymmetric only);
+``weight_shape`` int64 [2] = [N, K]. Act-order is written only with static groups (actorder
+"static"): compressed-tensors 0.20 dropped "group" act-order and its ``weight_g_idx``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.formats.gptq import CheckpointError, gptq_config
+from optq.formats.linears import find_linears
+from optq.formats.packing import pack
+from optq.formats.qlinear import QuantLinear
+
+__all__ = ["export", "plan_load"]
+
+
+def _words(count: int, bits: int) -> int:
+    return math.ceil(count * bits / 32)
+
+
+def export(
+    model: nn.Module, layers: Mapping[str, QuantLinear]
+) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """(quantization_config, {layer name: tensors}) for the pack-quantized format."""
+    base = gptq_config(layers, "gptq_v2")
+    bits, group_size = base["bits"], base["group_size"]
+    if base["desc_act"] and not base["static_groups"]:
+        # compressed-tensors 0.20 removed "group" act-order (non-monotone g_idx): refuse rather
+        # than write a folder its own loader rejects.
+        raise CheckpointError(
+            "compressed-tensors no longer reads act-order without static groups; quantize with "
+            "static_groups=True, or save with format='gptq'"
+        )
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tensors = {}
+    for name, q in layers.items():
+        codes = q.codes()
+        zeros = q.zeros()
+        out = {
+            "weight_packed": pack(codes, bits, dim=1)[:, : _words(q.in_features, bits)].contiguous(),
+            "weight_scale": q.scales.t().to(dtype).contiguous(),
+            "weight_shape": torch.tensor([q.out_features, q.in_features], dtype=torch.int64),
+        }
+        if not base["sym"]:
+            out["weight_zero_point"] = pack(zeros, bits, dim=0)[: _words(q.out_features, bits)].contiguous()
+        elif not bool((zeros == 1 << (bits - 1)).all()):
+            raise CheckpointError(f"{name}: symmetric config but zero points differ from {1 << (bits - 1)}")
+        if q.bias is not None:
+            out["bias"] = q.bias.to(dtype)
+        tensors[name] = out
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": base["sym"],
+        "strategy": "channel" if group_size == -1 else "group",
+        "group_size": None if group_size == -1 else group_size,
+        "actorder": "static" if base["desc_act"] else None,
+        "dynamic": False,
+        "observer": "minmax",
+    }
+    ignore = sorted(n for n in find_linears(model) if n not in layers)
+    qconfig = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "output_activations": None,
+                                      "format": "pack-quantized"}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+        "optq": base["meta"],
+    }
+    return qconfig, tensors
+
+
+def plan_load(qc: Mapping[str, Any], index: Mapping[str, Any]) -> Any:
+    """Reading pack-quantized folders back is not implemented: load them with transformers."""
+    raise CheckpointError(
+        "optq.load reads GPTQ folders; load a compressed-tensors folder with transformers' "
+        "AutoModelForCausalLM.from_pretrained (needs the compressed-tensors package)"
+    )

@@ -1,0 +1,265 @@
+"""QuantLinear: a linear layer holding exactly the GPTQ checkpoint's buffers, and running them.
+
+The module's ``state_dict`` is the format's tensors (``qweight``, ``qzeros``, ``scales``,
+``g_idx``, and ``bias`` when present), so saving and loading is a copy. Its forward has two paths:
+
+- reference: unpack, dequantize ``scales[g] * (q - z)`` in the input dtype, matmul. Valid for
+  every width and any ``g_idx`` (act-order included).
+- fast (4-bit, CPU): PyTorch's packed int4 kernel ``_weight_int4pack_mm_for_cpu``, which computes
+  ``w = (q - 8) * s + m`` per group, run in ``fast_dtype`` (bfloat16 by default: in torch 2.13
+  only its bfloat16 kernel is vectorised; float32 and float16 inputs take a scalar loop about
+  100x slower, measured on this CPU), so outputs match the reference to bfloat16 precision; our ``s * (q - z)`` is that with ``m = s * (8 - z)``. Chosen
+  automatically when the layout allows (out_features % 16 == 0, a kernel group size of 32, 64,
+  128 or 256 that divides both the group size and in_features, groups contiguous after sorting
+  the input channels by ``g_idx``); the converted weight is built lazily and cached outside the
+  state_dict.
+
+Typical use: ``replace_linears(model, solutions)`` after the pipeline, then ``optq.save``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optq.formats.packing import (
+    SUPPORTED_BITS,
+    pack_qweight,
+    pack_qzeros,
+    packed_length,
+    unpack_qweight,
+    unpack_qzeros,
+    zero_offset,
+)
+
+if TYPE_CHECKING:
+    from optq.core.config import QuantConfig
+    from optq.core.solver import Solution
+
+__all__ = ["QuantLinear", "replace_linears"]
+
+_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP16_TINY = 2.0**-24  # smallest positive float16; keeps recomputed codes finite
+
+
+def _num_groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else math.ceil(in_features / group_size)
+
+
+class QuantLinear(nn.Module):
+    """A ``Linear(in_features -> out_features)`` stored as GPTQ packed int32 codes.
+
+    Buffers (the checkpoint's tensors): ``qweight`` int32 [K*b/32, N], ``qzeros`` int32
+    [G, N*b/32], ``scales`` float16 [G, N], ``g_idx`` int32 [K], ``bias`` float16 [N] or None.
+    Construct empty (for loading) with the shape arguments, or from a solver result with
+    :meth:`from_solution`. Set ``use_fast_path = False`` to force the reference forward, and
+    ``fast_dtype`` to the dtype the int4 kernel computes in (bfloat16, the fast one, by default).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int = 4,
+        group_size: int = 128,
+        bias: bool = False,
+        checkpoint_format: str = "gptq",
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
+        if group_size != -1 and group_size < 1:
+            raise ValueError(f"group_size={group_size} must be -1 or a positive integer")
+        zero_offset(checkpoint_format)  # validates the name
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.checkpoint_format = bits, group_size, checkpoint_format
+        groups = _num_groups(in_features, group_size)
+        g = in_features if group_size == -1 else group_size
+        kw: dict[str, Any] = {"device": device}
+        self.register_buffer(
+            "qweight", torch.zeros(packed_length(in_features, bits), out_features, dtype=torch.int32, **kw)
+        )
+        self.register_buffer(
+            "qzeros", torch.zeros(groups, packed_length(out_features, bits), dtype=torch.int32, **kw)
+        )
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16, **kw))
+        self.register_buffer("g_idx", torch.arange(in_features, dtype=torch.int32, **kw) // g)
+        self.register_buffer(
+            "bias", torch.zeros(out_features, dtype=torch.float16, **kw) if bias else None
+        )
+        self.quant_config: QuantConfig | None = None  # the solver's settings, when known
+        self.use_fast_path = True
+        self.fast_dtype = torch.bfloat16
+        self._fast_cache: dict[str, Any] | None = None
+
+    @classmethod
+    def from_solution(
+        cls,
+        solution: Solution,
+        bias: torch.Tensor | None = None,
+        checkpoint_format: str = "gptq",
+    ) -> QuantLinear:
+        """Pack a solver :class:`~optq.core.solver.Solution` (bias: the layer's, or None).
+
+        Scales are stored as float16, so codes are recomputed against the stored scales
+        (``round(s32 * (q - z) / s16) + z``, clamped to [0, 2^b - 1]) before packing.
+        Raises ValueError when a zero point cannot be stored in ``checkpoint_format``.
+        """
+        cfg = solution.config
+        stored = solution.codes  # read once: a pipeline's solutions recompute them on access
+        rows, cols = stored.shape
+        layer = cls(cols, rows, cfg.bits, cfg.group_size, bias is not None, checkpoint_format,
+                    device=stored.device)
+        scales = solution.scales.detach().to(torch.float64)
+        scales16 = scales.to(torch.float16)
+        if not torch.isfinite(scales16).all():
+            raise ValueError(
+                f"a scale of {float(scales.abs().max()):.3g} overflows float16; "
+                "the GPTQ format stores scales as float16"
+            )
+        scales16 = scales16.clamp(min=_FP16_TINY)
+        g = solution.g_idx.long()
+        zeros = solution.zeros.to(torch.int64)
+        exact = scales[:, g] * (stored.to(torch.int64) - zeros[:, g]).to(torch.float64)
+        codes = torch.round(exact / scales16.to(torch.float64)[:, g]) + zeros[:, g]
+        codes = codes.clamp_(0, cfg.maxq).to(torch.int64)
+        with torch.no_grad():
+            layer.qweight.copy_(pack_qweight(codes, cfg.bits))
+            layer.qzeros.copy_(pack_qzeros(solution.zeros, cfg.bits, checkpoint_format))
+            layer.scales.copy_(scales16.t())
+            layer.g_idx.copy_(solution.g_idx.to(torch.int32))
+            if bias is not None:
+                layer.bias.copy_(bias.detach().reshape(rows).to(torch.float16))
+        layer.quant_config = cfg
+        return layer
+
+    # ----------------------------------------------------------------- unpacked views
+    def codes(self) -> torch.Tensor:
+        """Integer codes [N, K] (int32, nn.Linear layout)."""
+        return unpack_qweight(self.qweight, self.bits, self.in_features)
+
+    def zeros(self) -> torch.Tensor:
+        """Zero points [N, G] (int32, code units, the format's offset undone)."""
+        return unpack_qzeros(self.qzeros, self.bits, self.out_features, self.checkpoint_format)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] the format describes: ``scales[g_idx[k], n] * (q[k, n] - Z)``."""
+        g = self.g_idx.long()
+        q = self.codes().to(dtype)
+        z = self.zeros()[:, g].to(dtype)
+        return self.scales.t()[:, g].to(dtype) * (q - z)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + bias`` in x's dtype (fast int4 kernel when available)."""
+        if self.use_fast_path and self._fast_layout(x) is not None:
+            return self._forward_int4(x)
+        return self.forward_reference(x)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Unpack, dequantize in x's dtype, matmul: valid for every width and g_idx."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def _fast_layout(self, x: torch.Tensor) -> dict[str, Any] | None:
+        """The fast path's cached layout for x, or None when the reference path must run."""
+        if (
+            self.bits != 4
+            or x.device.type != "cpu"
+            or x.dtype not in _KERNEL_DTYPES
+            or (x.requires_grad and torch.is_grad_enabled())
+            or self.out_features % 16
+            or self.qweight.device.type != "cpu"
+            or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        ):
+            return None
+        tensors = (self.qweight, self.qzeros, self.scales, self.g_idx)
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        cache = self._fast_cache
+        if cache is None or cache["key"] != key:
+            cache = self._fast_cache = {"key": key, **self._build_fast()}
+        if cache["packed"] is None:
+            return None
+        return cache
+
+    def _build_fast(self) -> dict[str, Any]:
+        K = self.in_features
+        g = K if self.group_size == -1 else self.group_size
+        kernel_group = next((c for c in _KERNEL_GROUPS if g % c == 0 and K % c == 0), None)
+        g_idx = self.g_idx.long()
+        natural = torch.arange(K) // g
+        perm = None
+        if not torch.equal(g_idx, natural):
+            # Act-order g_idx: sorting input channels by group makes groups contiguous again.
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], natural):
+                kernel_group = None
+        if kernel_group is None:
+            return {"packed": None}
+        codes = self.codes()
+        if perm is not None:
+            codes = codes[:, perm]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        # Kernel sub-group j covers sorted channels [j*kg, (j+1)*kg), all inside group j*kg // g.
+        groups = torch.arange(0, K, kernel_group) // g
+        s = self.scales.float()[groups]  # [K/kg, N]
+        z = self.zeros().t().float()[groups]
+        return {"packed": packed, "group": kernel_group, "perm": perm,
+                "scale_zero": torch.stack([s, s * (8.0 - z)], dim=-1).contiguous(), "by_dtype": {}}
+
+    def _forward_int4(self, x: torch.Tensor) -> torch.Tensor:
+        cache = self._fast_cache
+        assert cache is not None
+        dtype = self.fast_dtype
+        sz = cache["by_dtype"].get(dtype)
+        if sz is None:
+            sz = cache["by_dtype"][dtype] = cache["scale_zero"].to(dtype)
+        x2 = x.reshape(-1, self.in_features)
+        if cache["perm"] is not None:
+            x2 = x2.index_select(1, cache["perm"])
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(dtype).contiguous(), cache["packed"],
+                                                       cache["group"], sz).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}, "
+                f"checkpoint_format={self.checkpoint_format!r}")
+
+
+def replace_linears(
+    model: nn.Module, solutions: Mapping[str, Solution], checkpoint_format: str = "gptq"
+) -> nn.Module:
+    """Replace each named ``nn.Linear``/``Conv1D`` of ``model`` by a QuantLinear, in place.
+
+    ``solutions`` maps module names (``model.named_modules()`` keys, as in the pipeline's
+    Report) to solver Solutions whose weight shape is the module's [out, in]. Biases are kept
+    (as float16, the format's dtype). Returns ``model``.
+    """
+    from optq.formats.linears import get_weight, is_linear
+
+    for name, solution in solutions.items():
+        module = model.get_submodule(name)
+        if not is_linear(module):
+            raise TypeError(f"{name} is a {type(module).__name__}, not nn.Linear or Conv1D")
+        weight = get_weight(module)
+        if tuple(weight.shape) != tuple(solution.weight.shape):
+            raise ValueError(
+                f"solution for {name} has shape {tuple(solution.weight.shape)} but the layer's "
+                f"weight is {tuple(weight.shape)} ([out_features, in_features])"
+            )
+        layer = QuantLinear.from_solution(solution, module.bias, checkpoint_format)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer.to(weight.device))
+    return model

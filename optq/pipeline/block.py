@@ -1,0 +1,228 @@
+"""Quantizing one decoder block: plan its groups of linears, collect Hessians, solve, write back.
+
+Used by ``optq.pipeline``; kept apart so where a block's Hessians are summed (the seam for
+data-parallel calibration) and how the block is run are each in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.core import solver
+from optq.core.config import QuantConfig
+from optq.core.hessian import Hessian
+from optq.formats.linears import find_linears, get_weight, set_weight
+from optq.pipeline import capture, memory
+from optq.pipeline.memo import Memo
+from optq.pipeline.report import LayerReport, Report
+from optq.pipeline.stepper import PausedForwards
+
+__all__ = ["quantize_block"]
+
+log = logging.getLogger("optq.pipeline")
+
+
+def quantize_block(
+    prefix: str,
+    block: nn.Module,
+    hidden: list[torch.Tensor],
+    calls: list[capture.Call],
+    targets: set[str],
+    config: QuantConfig,
+    opts: dict[str, Any],
+    report: Report,
+    bar: Any,
+) -> None:
+    """Quantize one block's targets; ``hidden`` (its inputs) is replaced by its outputs."""
+    linears = find_linears(block, prefix)
+    mine = [n for n in linears if n in targets]
+    release = memory.releaser(opts["device"])
+    original = None
+    if opts["propagate"] == "original" and mine:
+        # The next block's inputs come from the unquantized block: computed first, held beside
+        # the inputs (the one mode that needs two copies of the activations).
+        original = [capture.run_block(block, h, c) for h, c in zip(hidden, calls)]
+    if not mine:
+        _forward_in_place(block, hidden, calls, release)
+        return
+    plan = capture.discover_subsets(block, linears, mine, hidden[0], calls[0])
+    for name in plan.unused:
+        report.skipped[name] = "never called in the block's forward on calibration data"
+        log.warning("%s is never called by its block; left unquantized", name)
+
+    def solve(k: int, subset: list[str], hess: Hessian, t0: float) -> None:
+        _solve_subset(linears, subset, k, hess, config, opts["method"], report, t0)
+        bar.set_postfix_str(_postfix(report, subset), refresh=False)
+
+    def new_hessian(subset: list[str]) -> Hessian:
+        first = linears[subset[0]]
+        return Hessian(_in_features(first), device=first.weight.device, normalize_tokens=config.normalize_tokens)
+
+    if opts["strategy"] == "replay" or plan.repeated:
+        if plan.repeated and opts["strategy"] != "replay":
+            # A pause at the first call would solve before the later calls are seen.
+            log.info("%s: %s called more than once per forward; replaying the block per group",
+                     prefix, ", ".join(plan.repeated))
+        memo = Memo(block, prefix, list(linears), plan.order, mine)
+        for k, subset in enumerate(plan.subsets):
+            t0 = time.perf_counter()
+            hess = new_hessian(subset)
+            with memo.replay_pass() as at_batch:
+                capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
+                                        before_batch=at_batch)
+            release()
+            solve(k, subset, hess, t0)
+            release()  # the solver's workspace, before the next pass allocates
+            memo.solved(subset)
+        if original is not None:
+            for b, out in enumerate(original):
+                _keep(hidden, b, out)
+        else:
+            with memo.replay_pass(last=True) as at_batch:
+                _forward_in_place(block, hidden, calls, release, at_batch)
+        return
+    stops = [linears[s[0]] for s in plan.subsets]
+    with PausedForwards(block, stops, hidden, calls, release=release) as paused:
+        for k, subset in enumerate(plan.subsets):
+            t0 = time.perf_counter()
+            hess = new_hessian(subset)
+            paused.advance(k, hess)
+            solve(k, subset, hess, t0)
+        # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
+        # computed from partly quantized layers, are not what propagates.
+        outputs = original if original is not None else paused.finish()
+        for b, out in enumerate(outputs):
+            _keep(hidden, b, out)
+
+
+def _forward_in_place(block: nn.Module, hidden: list[torch.Tensor], calls: list[capture.Call],
+                      release: Callable[[], None],
+                      before_batch: Callable[[int], None] | None = None) -> None:
+    # Each batch's output is written into its input's buffer as soon as it exists: the
+    # activations are held once plus one batch, in the same buffers for the whole run (the
+    # buffers are private copies made at capture; see _keep).
+    for b, call in enumerate(calls):
+        if before_batch is not None:
+            before_batch(b)
+        _keep(hidden, b, capture.run_block(block, hidden[b], call))
+    release()
+
+
+def _keep(hidden: list[torch.Tensor], b: int, out: torch.Tensor) -> None:
+    # New long-lived tensors allocated between a pass's temporaries fragment the heap (measured:
+    # +0.3 GB of peak on SmolLM2); writing into the existing buffer avoids that.
+    old = hidden[b]
+    if out.shape == old.shape and out.dtype == old.dtype and out.device == old.device:
+        old.copy_(out)
+    else:  # a block that changes the hidden states' shape: a new private buffer
+        hidden[b] = out.detach().clone()
+
+
+def _in_features(module: nn.Module) -> int:
+    return int(get_weight(module).shape[1])
+
+
+def _postfix(report: Report, subset: Sequence[str]) -> str:
+    last = report.layers[subset[-1]]
+    short = ".".join(subset[-1].split(".")[-2:])
+    return f"{short} obj/rtn={last.objective / last.rtn_objective:.3f}" if last.rtn_objective else short
+
+
+def _solve_subset(
+    linears: dict[str, nn.Module],
+    subset: list[str],
+    index: int,
+    hess: Hessian,
+    config: QuantConfig,
+    method: str,
+    report: Report,
+    t0: float,
+) -> None:
+    mods = [linears[n] for n in subset]
+    weights = [get_weight(m) for m in mods]
+    if hess.count == 0:
+        raise RuntimeError(f"no calibration tokens reached {subset[0]}")
+    H = hess.matrix()
+    # Rows of layers sharing an input share H, and GPTQ treats rows independently: one stacked
+    # solve equals separate solves, with one factorisation instead of several.
+    W = torch.cat(weights, dim=0)  # a copy: the modules are overwritten below
+    try:
+        sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
+    except solver.FactorizationError as exc:
+        names = ", ".join(subset)
+        raise solver.FactorizationError(
+            f"Hessian of {names} could not be factorised even with damping up to "
+            f"{config.damp_max} ({exc}); raise damp/damp_max (--damp) or give more or more "
+            "varied calibration tokens"
+        ) from exc
+    if sol.damp is not None and sol.damp > config.damp:
+        log.warning("%s needed damping %.3g (asked %.3g)", ", ".join(subset), sol.damp, config.damp)
+        for name in subset:
+            report.fallbacks[name] = f"damping raised from {config.damp:g} to {sol.damp:g} to factorise H"
+    seconds = time.perf_counter() - t0
+    # Round-to-nearest is row-wise too: one call on the stacked rows serves every member.
+    rtn_W = solver.rtn(W, config).weight if method == "gptq" else sol.weight
+    objs = _row_objectives(W, sol.weight, H)
+    rtn_objs = objs if method == "rtn" else _row_objectives(W, rtn_W, H)
+    energy = _row_objectives(W, None, H)
+    row = 0
+    for name, mod, w in zip(subset, mods, weights):
+        n = w.shape[0]
+        part = _rows(sol, row, row + n)
+        obj, rtn_obj, e = (float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy))
+        row += n
+        if method == "gptq":
+            part.loss = obj
+        report.layers[name] = LayerReport(
+            name=name,
+            shape=(int(w.shape[0]), int(w.shape[1])),
+            tokens=hess.count,
+            damp=sol.damp,
+            objective=obj,
+            rtn_objective=rtn_obj,
+            relative_error=obj / e if e > 0 else 0.0,
+            seconds=seconds * n / W.shape[0],
+            subset=index,
+        )
+        set_weight(mod, part.weight)
+        report.solutions[name] = part
+        log.debug("%s: objective %.4g, rtn %.4g", name, obj, rtn_obj)
+    # Under a caller's autocast, weights cast earlier (e.g. by the discovery forward) stay cached
+    # until the autocast region ends: drop them, or later forwards would use the old weights.
+    torch.clear_autocast_cache()
+
+
+def _row_objectives(W: torch.Tensor, W_hat: torch.Tensor | None, H: torch.Tensor) -> torch.Tensor:
+    """Per-row terms of ``optq.objective(W, W_hat, H)``: ½ δ_r H δ_rᵀ (δ = W - W_hat), float64."""
+    out = torch.empty(W.shape[0], dtype=torch.float64, device=W.device)
+    step = max(1, (1 << 20) // max(1, W.shape[1]))  # rows per chunk: temporaries of ~8 MB, not of W's size
+    for lo in range(0, W.shape[0], step):
+        hi = lo + step
+        delta = W[lo:hi].to(H.dtype)
+        if W_hat is not None:
+            delta = delta - W_hat[lo:hi].to(H.dtype)
+        out[lo:hi] = ((delta @ H) * delta).sum(dim=1, dtype=torch.float64)
+    return out.mul_(0.5)
+
+
+def _rows(sol: solver.Solution, lo: int, hi: int) -> solver.Solution:
+    # Per-row fields are sliced; g_idx and perm belong to the shared columns.
+    if lo == 0 and hi == sol.weight.shape[0]:
+        return sol
+    return solver.Solution(
+        weight=sol.weight[lo:hi],  # replaced by a view of the module weight after the block
+        codes=sol.codes[lo:hi].clone(),
+        scales=sol.scales[lo:hi].clone(),
+        zeros=sol.zeros[lo:hi].clone(),
+        g_idx=sol.g_idx,
+        perm=sol.perm,
+        loss=sol.loss,
+        damp=sol.damp,
+        config=sol.config,
+    )

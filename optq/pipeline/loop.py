@@ -1,0 +1,242 @@
+"""Quantize a whole causal LM, one decoder block at a time: ``optq.quantize``.
+
+For each block: find the linears and group them by the input they share (q/k/v, then o, then
+gate/up, then down in a Llama block); for each group in that order, run the calibration batches
+through the block up to that group, accumulate ONE Hessian of the group's input, solve all of
+the group's weights together (their rows stacked: GPTQ treats rows independently and they share
+H), and write the quantized weights back, so the next group sees the effect of the earlier ones.
+The block's outputs then become the next block's inputs (``optq.pipeline.block`` does one block).
+
+Memory: the model stays where it is; only the current block is moved to ``device``. With
+T = nsamples x seqlen calibration tokens, b = batch_size x seqlen tokens per forward, h the
+hidden size, i the MLP's intermediate size and float32 activations, the peak is about
+
+    the runtime and the model                     (a lazily loaded model becomes resident)
+  + T x h x 4                                     the block inputs, each batch's overwritten
+                                                  by its outputs as soon as they exist
+  + T x h x 4                                     strategy="replay": one finished child's
+                                                  recorded outputs (the attention's)
+  + T x h x 4                                     propagate="original": the unquantized
+                                                  block's outputs, beside its inputs
+  + b x (3 i + 3 h) x 4                           one batch's temporaries inside the block
+  + ~6 x the largest group's weights x 4 + K^2 x 4   the solve (stacked rows, copies) and H
+  + T x (i + 2 h) x 4                             strategy="pause" only: every batch's paused
+                                                  forward (at worst inside the MLP)
+  + one block's parameters on ``device``          when the model lives elsewhere
+
+plus what the allocator holds between the heap trims after each pass. SmolLM2-135M at 128 x 512
+tokens: 144 + 144 + 99 + ~50 MB beside the 513 MB model (pause: +528 MB); the peak measured by
+benchmarks/quantize_model.py is printed next to this formula's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.core.config import QuantConfig
+from optq.formats.linears import find_linears, get_weight
+from optq.pipeline import capture
+from optq.pipeline.block import quantize_block
+from optq.pipeline.calibration import calibration_samples, make_batches
+from optq.pipeline.discovery import find_blocks, select_names
+from optq.pipeline.report import Report
+
+__all__ = ["quantize", "Report"]
+
+log = logging.getLogger("optq.pipeline")
+
+PROPAGATE = ("quantized", "original")
+METHODS = ("gptq", "rtn")
+STRATEGIES = ("pause", "replay")
+
+
+def quantize(
+    model: nn.Module,
+    calibration: Any,
+    config: QuantConfig,
+    *,
+    propagate: str = "quantized",
+    tokenizer: Any = None,
+    nsamples: int | None = None,
+    seqlen: int | None = None,
+    seed: int = 0,
+    include: Sequence[str] | str | None = None,
+    exclude: Sequence[str] | str | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    batch_size: int = 8,
+    method: str = "gptq",
+    strategy: str = "replay",
+) -> Report:
+    """Quantize the linears of ``model``'s decoder blocks in place; returns a ``Report``.
+
+    Example::
+
+        >>> report = optq.quantize(model, token_ids, optq.QuantConfig(bits=4, group_size=128))
+        >>> report.totals["mean_objective_ratio"]   # GPTQ / round-to-nearest, below 1
+
+    Args:
+        calibration: token ids (LongTensor [n, seqlen], a list of 1-D LongTensors, or a 1-D
+            token stream to draw ``nsamples`` windows of ``seqlen`` from with ``seed``), or text
+            (a string or list of strings) together with ``tokenizer``.
+        propagate: "quantized" (each block calibrates on the outputs of the already quantized
+            blocks, so later layers compensate earlier errors) or "original" (every block's
+            inputs come from the unquantized model, the plain layer-wise method). Inside a block
+            the groups are sequential either way. "original" costs one more block forward per
+            block (the unquantized block's outputs, computed first) and holds them beside the
+            inputs.
+        include / exclude: module-name patterns (wildcards like ``*.mlp.*``, or ``re:REGEX``)
+            selecting which block linears to quantize. Embeddings and the head are never touched.
+        device: where each block is computed ("cuda" quantizes a CPU-resident model on a GPU);
+            default: where the model's blocks are.
+        batch_size: calibration samples per block forward (results depend on it only through
+            floating-point summation order).
+        method: "gptq", or "rtn" (round-to-nearest; the report still measures it on H).
+        strategy: "replay" (default: the block is re-run from its inputs for each group, each
+            run stopping at the group's input; once a child module such as the attention is
+            fully quantized its outputs are recorded and replayed instead of recomputed, so a
+            Llama block costs about two forwards, and memory stays at the activations) or
+            "pause" (every batch's forward pauses at each group's input while the group is
+            solved, then resumes: one forward per block, about 13% less time on SmolLM2, but all
+            batches' intermediate tensors stay alive: several times the activations). Both
+            give the same weights.
+    """
+    if propagate not in PROPAGATE:
+        raise ValueError(f"propagate={propagate!r} is not one of {PROPAGATE}")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be an optq.QuantConfig, not {type(config).__name__}")
+    start = time.perf_counter()
+    blocks_name, blocks = find_blocks(model)
+    all_linears = {
+        name: lin
+        for i, blk in enumerate(blocks)
+        for name, lin in find_linears(blk, f"{blocks_name}.{i}").items()
+    }
+    if not all_linears:
+        raise ValueError(f"{type(model).__name__} has no linear layers in its decoder blocks")
+    targets = set(select_names(list(all_linears), include, exclude))
+    if not targets:
+        raise ValueError("include/exclude left no linear layer to quantize")
+    cfg = getattr(model, "config", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    samples = calibration_samples(
+        calibration,
+        tokenizer=tokenizer,
+        nsamples=nsamples,
+        seqlen=seqlen,
+        seed=seed,
+        vocab_size=getattr(emb, "num_embeddings", None),
+        max_positions=getattr(cfg, "max_position_embeddings", None),
+    )
+    batches = make_batches(samples, batch_size)
+    home = next(blocks[0].parameters()).device
+    try:
+        device = torch.device(device) if device is not None else home
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); use e.g. 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} asked, but this torch has no usable CUDA; use 'cpu'")
+    options = {
+        "method": method,
+        "propagate": propagate,
+        "strategy": strategy,
+        "nsamples": len(samples),
+        "seqlen": max(s.numel() for s in samples),
+        "tokens": sum(s.numel() for s in samples),
+        "seed": seed,
+        "batch_size": batch_size,
+        "device": str(device),
+        "include": include,
+        "exclude": exclude,
+        "blocks": blocks_name,
+    }
+    log.info("quantizing %d linears in %d blocks of %s on %d x %d tokens (%s, %s)",
+             len(targets), len(blocks), blocks_name, len(samples), options["seqlen"], method, propagate)
+    was_training = model.training
+    model.eval()
+    report = Report(layers={}, config=config.to_dict(), options=options, versions=_versions(),
+                    seconds=0.0, block_seconds=[])
+    try:
+        with torch.no_grad():
+            hidden, calls = capture.capture_inputs(model, blocks, batches, device)
+            _loop(blocks_name, blocks, hidden, calls, targets, config, {**options, "device": device},
+                  progress, report)
+    finally:
+        model.train(was_training)
+    report.seconds = time.perf_counter() - start
+    t = report.totals
+    ratio = t["mean_objective_ratio"]
+    log.info("done in %.1f s: %d layers, mean objective ratio to round-to-nearest %s",
+             report.seconds, t["layers"], "n/a" if ratio is None else f"{ratio:.4f}")
+    return report
+
+
+def _loop(
+    blocks_name: str,
+    blocks: nn.ModuleList,
+    hidden: list[torch.Tensor],
+    calls: list[list[capture.Call]],
+    targets: set[str],
+    config: QuantConfig,
+    opts: dict[str, Any],
+    progress: bool,
+    report: Report,
+) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(blocks), desc="optq", unit="block", disable=not progress)
+    try:
+        for i, block in enumerate(blocks):
+            t0 = time.perf_counter()
+            home = next(block.parameters()).device
+            block.to(opts["device"])
+            # The outputs replace the inputs: activations are held once, never per layer.
+            quantize_block(f"{blocks_name}.{i}", block, hidden, calls[i], targets, config, opts, report, bar)
+            block.to(home)
+            _settle_solutions(f"{blocks_name}.{i}", block, home, report)
+            report.block_seconds.append(time.perf_counter() - t0)
+            log.debug("block %d done in %.2f s", i, report.block_seconds[-1])
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _settle_solutions(prefix: str, block: nn.Module, home: torch.device, report: Report) -> None:
+    # Solutions live beside the model, not on the compute device, and their dequantized weight
+    # is the module's own weight tensor (a view): no second copy of the model is kept.
+    for name, mod in find_linears(block, prefix).items():
+        sol = report.solutions.get(name)
+        if sol is None:
+            continue
+        # The view shares the parameter's version counter: a later in-place change of the
+        # model's weight is noticed by the solution (see Solution.drop_codes).
+        sol.weight = get_weight(mod)
+        for field in ("scales", "zeros", "g_idx", "perm"):
+            setattr(sol, field, getattr(sol, field).to(home))
+        # The codes are the weight's, exactly: recomputed when a checkpoint is written instead
+        # of held (one byte per weight, a quarter of an fp32 model) for the whole run.
+        if not sol.drop_codes():
+            sol.codes = sol.codes.to(home)
+
+
+def _versions() -> dict[str, str]:
+    from optq import __version__
+
+    out = {"optq": __version__, "torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out

@@ -1,0 +1,150 @@
+"""``optq quantize`` on a tiny local model folder: output, report, refusals, interruption."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+import optq
+from optq.cli import build_parser, main
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+from tiny import build  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A saved tiny Llama with a word-level tokenizer, and a calibration text file."""
+    root = tmp_path_factory.mktemp("cli")
+    rng = random.Random(0)
+    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(60))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>"]))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    model = build("llama")
+    model.save_pretrained(root / "model")
+    fast.save_pretrained(root / "model")
+    (root / "calib.txt").write_text(text)
+    return root
+
+
+def _args(root, out, *extra):
+    return ["quantize", str(root / "model"), "-o", str(out), "--calib", str(root / "calib.txt"),
+            "--nsamples", "4", "--seqlen", "16", "--bits", "3", "--group-size", "16",
+            "--no-progress", *extra]
+
+
+def _report_file(folder):
+    from optq.cli.quantize import REPORT_FILES
+
+    found = [folder / n for n in REPORT_FILES if (folder / n).exists()]
+    assert found, f"no report in {sorted(p.name for p in folder.iterdir())}"
+    return found[0]
+
+
+def _leftovers(folder):
+    return [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_quantize_writes_a_loadable_model_and_report(model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(_args(model_dir, out)) == 0
+    printed = capsys.readouterr().out
+    assert "self_attn.q_proj" in printed and "mean objective / round-to-nearest" in printed
+    report = json.loads(_report_file(out).read_text())
+    assert report["config"]["bits"] == 3 and report["options"]["nsamples"] == 4
+    assert report["totals"]["layers"] == 14
+    assert _leftovers(tmp_path) == []
+    # the same job in-process gives the same model as the one written
+    from optq.data.tokens import load_tokens
+    from optq.data.zoo import load_model
+
+    fp, tok = load_model(model_dir / "model")
+    optq.quantize(fp, load_tokens(model_dir / "calib.txt", tok), optq.QuantConfig(bits=3, group_size=16),
+                  nsamples=4, seqlen=16, progress=False)
+    written, _ = load_model(out)
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(written(input_ids=ids).logits, fp(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(build("llama")(input_ids=ids).logits, fp(input_ids=ids).logits, atol=1e-4)
+
+
+def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main(_args(model_dir, out)) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert (out / "keep.txt").exists()
+    assert main(_args(model_dir, out, "--overwrite", "--method", "rtn")) == 0
+    assert not (out / "keep.txt").exists() and _report_file(out).exists()
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["solver", "rename"])
+def test_interrupt_leaves_no_output(model_dir, tmp_path, monkeypatch, where):
+    import pathlib
+
+    from optq.core import solver
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    if where == "solver":  # Ctrl-C in the middle of the block loop
+        monkeypatch.setattr(solver, "gptq", interrupted)
+    else:  # Ctrl-C after every file is written, just before the folder gets its name
+        monkeypatch.setattr(pathlib.Path, "rename", interrupted)
+    out = tmp_path / "q"
+    assert main(_args(model_dir, out)) == 130
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_too_little_calibration_text(model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(_args(model_dir, out, "--nsamples", "400")) == 2
+    err = capsys.readouterr().err
+    assert "tokens, fewer than nsamples x seqlen = 400 x 16" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--bits", "9"], "bits"),
+    (["--seqlen", "0"], "seqlen=0 is out of range"),
+    (["--include", "nothing"], "matches none"),
+])
+def test_bad_flags(model_dir, tmp_path, capsys, extra, match):
+    assert main(_args(model_dir, tmp_path / "q", *extra)) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_unknown_model_lists_the_known_ones(tmp_path, capsys):
+    assert main(["quantize", str(tmp_path / "missing.gguf"), "-o", str(tmp_path / "q")]) == 2
+    assert "smollm2-135m" in capsys.readouterr().err
+
+
+def test_flags_map_one_to_one_onto_quant_config():
+    from optq.cli.quantize import config_from_args
+
+    parser = build_parser()
+    options = {o for a in parser._subparsers._group_actions[0].choices["quantize"]._actions
+               for o in a.option_strings}
+    for f in dataclasses.fields(optq.QuantConfig):
+        assert "--" + f.name.replace("_", "-") in options, f.name
+    args = parser.parse_args(["quantize", "m", "-o", "o", "--bits", "3", "--group-size", "64",
+                              "--asym", "--act-order", "--static-groups", "--damp", "0.05",
+                              "--damp-max", "2", "--block-size", "32", "--mse", "--mse-grid", "50",
+                              "--mse-maxshrink", "0.5", "--mse-norm", "2.4"])
+    assert config_from_args(args) == optq.QuantConfig(
+        bits=3, group_size=64, sym=False, act_order=True, static_groups=True, damp=0.05,
+        damp_max=2.0, block_size=32, mse=True, mse_grid=50, mse_maxshrink=0.5, mse_norm=2.4)
+    defaults = parser.parse_args(["quantize", "m", "-o", "o"])
+    assert config_from_args(defaults) == optq.QuantConfig()

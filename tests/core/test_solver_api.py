@@ -1,0 +1,153 @@
+"""The solvers' contract: shapes, dtypes, devices, groups, act-order bookkeeping, OBQ, the grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optq
+from optq.core import grid
+
+
+def problem(rows=12, cols=576, tokens=400, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(tokens, cols, generator=g) @ torch.randn(cols, cols, generator=g) / cols**0.5
+    h = optq.Hessian(cols)
+    h.update(X)
+    return torch.randn(rows, cols, generator=g), h.matrix()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_partial_last_group_and_code_range(bits):
+    W, H = problem()  # 576 inputs: 4 groups of 128 and one of 64
+    sol = optq.gptq(W, H, optq.QuantConfig(bits=bits, group_size=128))
+    assert sol.scales.shape == sol.zeros.shape == (12, 5)
+    assert sol.g_idx.tolist() == [k // 128 for k in range(576)]
+    assert int(sol.codes.max()) <= 2**bits - 1
+    # each row of each group uses at most 2^bits values
+    for g in range(5):
+        block = sol.weight[:, g * 128 : (g + 1) * 128]
+        assert max(len(torch.unique(r)) for r in block) <= 2**bits
+    assert torch.all(sol.zeros == 2 ** (bits - 1))  # symmetric zero point
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_half_precision_weights_are_solved_in_float32(dtype):
+    W, H = problem(cols=64)
+    sol = optq.gptq(W.to(dtype), H, optq.QuantConfig(group_size=32))
+    ref = optq.gptq(W.to(dtype).float(), H, optq.QuantConfig(group_size=32))
+    assert sol.weight.dtype == dtype and sol.scales.dtype == torch.float32
+    assert torch.equal(sol.codes, ref.codes)
+    assert torch.equal(sol.weight, ref.weight.to(dtype))
+
+
+def test_act_order_bookkeeping():
+    W, H = problem(cols=96)
+    H.diagonal().mul_(torch.linspace(0.5, 3.0, 96))  # make the diagonal order non-trivial
+    sol = optq.gptq(W, H, optq.QuantConfig(group_size=32, act_order=True, static_groups=False))
+    expected_perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+    assert torch.equal(sol.perm, expected_perm)
+    # column perm[k] is quantized k-th, in group k // 32: g_idx is not monotone
+    assert torch.equal(sol.g_idx[sol.perm].long(), torch.arange(96) // 32)
+    assert not torch.all(sol.g_idx[1:] >= sol.g_idx[:-1])
+    static = optq.gptq(W, H, optq.QuantConfig(group_size=32, act_order=True, static_groups=True))
+    assert static.g_idx.tolist() == [k // 32 for k in range(96)]
+    # static groups' parameters are fitted on the unquantized W, so they equal round-to-nearest's
+    rtn = optq.rtn(W, optq.QuantConfig(group_size=32))
+    assert torch.equal(static.scales, rtn.scales)
+
+
+def test_per_channel_group():
+    W, H = problem(cols=50)
+    sol = optq.gptq(W, H, optq.QuantConfig(group_size=-1, sym=False))
+    assert sol.scales.shape == (12, 1) and sol.g_idx.eq(0).all()
+
+
+def test_input_validation():
+    W, H = problem(cols=16)
+    with pytest.raises(ValueError, match=r"H must be \[16, 16\]"):
+        optq.gptq(W, H[:8, :8], optq.QuantConfig())
+    with pytest.raises(TypeError, match="QuantConfig"):
+        optq.gptq(W, H, {"bits": 4})
+    with pytest.raises(ValueError, match="2-D"):
+        optq.rtn(W[0], optq.QuantConfig())
+    bad = W.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        optq.gptq(bad, H, optq.QuantConfig())
+
+
+def textbook_obq_row(w: torch.Tensor, H: torch.Tensor, s, z, maxq: int) -> torch.Tensor:
+    """Greedy OBQ for one row, straight from the method's corollary, with explicit inverses."""
+    w = w.clone()
+    free = list(range(len(w)))
+    codes = torch.zeros(len(w), dtype=torch.float64)
+    while free:
+        Hinv = torch.linalg.inv(H[free][:, free])  # inverse over the free coordinates, recomputed
+        wf = w[free]
+        qf = grid.quantize(wf, s[free], z[free], maxq)
+        scores = (wf - grid.dequantize(qf, s[free], z[free])) ** 2 / Hinv.diagonal()
+        j = int(torch.argmin(scores))
+        codes[free[j]] = qf[j]
+        err = (wf[j] - grid.dequantize(qf[j], s[free][j], z[free][j])) / Hinv[j, j]
+        wf = wf - err * Hinv[:, j]
+        for k, idx in enumerate(free):
+            w[idx] = wf[k]
+        free.pop(j)
+    return codes
+
+
+def test_obq_equals_the_greedy_textbook_and_is_no_worse_than_gptq_here():
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(120, 10, generator=g, dtype=torch.float64) @ torch.randn(10, 10, generator=g, dtype=torch.float64)
+    h = optq.Hessian(10, dtype=torch.float64)
+    h.update(X)
+    H = h.matrix()
+    W = torch.randn(3, 10, generator=g, dtype=torch.float64)
+    cfg = optq.QuantConfig(bits=2, group_size=5, sym=False)
+    sol = optq.obq(W, H, cfg)
+    Hd = H + cfg.damp * H.diagonal().mean() * torch.eye(10, dtype=torch.float64)
+    for r in range(3):
+        s, z = sol.scales[r, sol.g_idx.long()], sol.zeros[r, sol.g_idx.long()].double()
+        assert torch.equal(textbook_obq_row(W[r], Hd, s, z, cfg.maxq), sol.codes[r].double())
+    rtn_loss = optq.objective(W, optq.rtn(W, cfg).weight, H)
+    assert sol.loss < rtn_loss
+
+
+def test_mse_clipping_search_is_the_best_candidate():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(6, 64, generator=g)
+    w[:, 0] *= 8  # outliers make clipping worthwhile
+    for sym in (True, False):
+        cfg = optq.QuantConfig(bits=3, sym=sym, mse=True, mse_grid=20, mse_maxshrink=0.5)
+        s, z = grid.fit(w, cfg)
+        err = ((grid.fake_quantize(w, s[:, None], z[:, None], cfg.maxq) - w) ** 2).sum(1)
+        # brute force over the same candidate shrinks, row by row
+        for r in range(6):
+            best = float("inf")
+            for i in range(0, 11):
+                p = 1 - i / 20
+                lo, hi = w[r].min() * p, w[r].max() * p
+                if sym:
+                    si = 2 * torch.maximum(lo.abs(), hi.abs()) / cfg.maxq
+                    zi = torch.tensor(4.0)
+                else:
+                    lo, hi = torch.clamp(lo, max=0), torch.clamp(hi, min=0)
+                    si = (hi - lo) / cfg.maxq
+                    zi = torch.round(-lo / si)
+                best = min(best, float(((grid.fake_quantize(w[r], si, zi, cfg.maxq) - w[r]) ** 2).sum()))
+            assert float(err[r]) == pytest.approx(best, rel=1e-5)
+        plain = grid.fit(w, optq.QuantConfig(bits=3, sym=sym))
+        plain_err = ((grid.fake_quantize(w, plain[0][:, None], plain[1][:, None], 7) - w) ** 2).sum(1)
+        assert torch.all(err <= plain_err) and torch.any(err < plain_err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    W, H = problem(cols=256)
+    cfg = optq.QuantConfig(group_size=128, act_order=True)
+    cpu = optq.gptq(W, H, cfg)
+    gpu = optq.gptq(W.cuda().half(), H.cuda(), cfg)
+    assert gpu.weight.device.type == "cuda" and gpu.weight.dtype == torch.float16
+    assert (gpu.codes.cpu() != cpu.codes).float().mean() < 0.01
+    assert gpu.loss == pytest.approx(cpu.loss, rel=1e-2)

@@ -1,0 +1,117 @@
+"""QuantLinear: buffers, dequantization, reference vs fast int4 path, replace_linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import optq
+from optq.formats.qlinear import QuantLinear, replace_linears
+
+
+def _solution(n: int, k: int, seed: int = 0, **cfg) -> optq.Solution:
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(n, k, generator=g)
+    X = torch.randn(4 * k, k, generator=g)
+    H = optq.Hessian(k)
+    H.update(X)
+    return optq.gptq(W, H.matrix(), optq.QuantConfig(**cfg))
+
+
+def test_buffers_are_exactly_the_format() -> None:
+    sol = _solution(64, 96, bits=4, group_size=32)
+    q = QuantLinear.from_solution(sol, bias=torch.randn(64))
+    sd = q.state_dict()
+    assert set(sd) == {"qweight", "qzeros", "scales", "g_idx", "bias"}
+    assert sd["qweight"].shape == (96 * 4 // 32, 64) and sd["qweight"].dtype == torch.int32
+    assert sd["qzeros"].shape == (3, 64 * 4 // 32) and sd["qzeros"].dtype == torch.int32
+    assert sd["scales"].shape == (3, 64) and sd["scales"].dtype == torch.float16
+    assert sd["g_idx"].dtype == torch.int32 and sd["bias"].dtype == torch.float16
+    assert (sd["qzeros"] == 0x77777777).all()  # symmetric 4-bit v1
+    q(torch.randn(2, 96))  # building the fast-path cache must not add state
+    assert set(q.state_dict()) == set(sd)
+    assert set(QuantLinear(96, 64, 4, 32).state_dict()) == {"qweight", "qzeros", "scales", "g_idx"}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_dequantize_matches_solution_up_to_fp16_scales(bits: int, fmt: str) -> None:
+    sol = _solution(32, 128, seed=bits, bits=bits, group_size=32, sym=fmt == "gptq")
+    q = QuantLinear.from_solution(sol, checkpoint_format=fmt)
+    assert torch.equal(q.codes().to(torch.uint8), sol.codes)  # codes survive fp16 scales
+    assert torch.equal(q.zeros(), sol.zeros)
+    rel = 2.0**-11  # float16 rounding of a scale
+    tol = (sol.scales.abs().max() * rel * (1 << bits)).item()
+    assert (q.dequantize() - sol.weight).abs().max().item() <= tol
+    x = torch.randn(3, 128)
+    ref = x @ sol.weight.T
+    assert torch.allclose(q.forward_reference(x), ref, atol=tol * 128 ** 0.5 * 4)
+
+
+@pytest.mark.parametrize(
+    "k,group_size,act_order,static",
+    [(576, 128, False, False), (256, -1, False, False), (256, 64, True, False),
+     (256, 64, True, True), (128, 32, False, False)],
+)
+def test_fast_int4_path_equals_reference(k: int, group_size: int, act_order: bool, static: bool) -> None:
+    sol = _solution(48, k, bits=4, group_size=group_size, act_order=act_order, static_groups=static, sym=False)
+    q = QuantLinear.from_solution(sol, bias=torch.randn(48), checkpoint_format="gptq_v2")
+    x = torch.randn(2, 3, k)
+    ref = q.forward_reference(x)
+    q.fast_dtype = torch.float32  # exact arithmetic: proves the layout and zero conversion
+    fast32 = q(x)
+    assert q._fast_cache is not None and q._fast_cache["packed"] is not None
+    assert torch.allclose(fast32, ref, atol=1e-4, rtol=1e-4)
+    q.fast_dtype = torch.bfloat16  # the default: bfloat16 activations inside the kernel
+    fast = q(x)
+    assert ((fast - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("n,k,bits,group_size", [(48, 96, 3, 32), (40, 128, 4, 32), (48, 96, 4, 48)])
+def test_fast_path_refused_when_layout_does_not_allow(n: int, k: int, bits: int, group_size: int) -> None:
+    q = QuantLinear.from_solution(_solution(n, k, bits=bits, group_size=group_size))
+    x = torch.randn(2, k)
+    assert torch.equal(q(x), q.forward_reference(x))
+    assert q._fast_cache is None or q._fast_cache["packed"] is None
+
+
+def test_fast_cache_follows_buffer_changes() -> None:
+    a = QuantLinear.from_solution(_solution(32, 128, seed=1, bits=4, group_size=32))
+    b = QuantLinear.from_solution(_solution(32, 128, seed=2, bits=4, group_size=32))
+    x = torch.randn(2, 128)
+    a(x)
+    a.load_state_dict(b.state_dict())
+    assert torch.allclose(a(x), b(x))
+
+
+def test_replace_linears_llama_and_gpt2_conv1d() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from optq.formats.linears import find_linears, get_weight, set_weight
+
+    for model in (
+        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)),
+        GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=64, n_layer=1, n_head=4, n_positions=32)),
+    ):
+        model.eval()
+        cfg = optq.QuantConfig(bits=4, group_size=32)
+        linears = {n: m for n, m in find_linears(model).items() if "lm_head" not in n}
+        sols = {n: optq.rtn(get_weight(m).detach(), cfg) for n, m in linears.items()}
+        for n, m in linears.items():
+            set_weight(m, sols[n].weight)
+            if m.bias is not None:  # the format stores biases in float16
+                m.bias.data = m.bias.data.half().float()
+        ids = torch.randint(0, 64, (1, 8))
+        with torch.no_grad():
+            ref = model(ids).logits
+            replace_linears(model, sols)
+            for m in model.modules():
+                if isinstance(m, QuantLinear):
+                    m.use_fast_path = False
+            out = model(ids).logits
+        assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(sols)
+        assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
+    with pytest.raises(ValueError, match="shape"):
+        replace_linears(nn.Sequential(nn.Linear(8, 4)), {"0": sols[next(iter(sols))]})

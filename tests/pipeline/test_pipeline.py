@@ -1,0 +1,218 @@
+"""optq.quantize end to end on tiny random models of several architectures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import optq
+from optq.core import solver
+from optq.formats.linears import find_linears, get_weight
+from optq.pipeline.discovery import find_blocks
+
+pytest.importorskip("transformers")
+from tiny import ARCHS, CFG, VOCAB, build, tokens  # noqa: E402
+from tiny import run as _run  # noqa: E402
+
+
+def _block_linears(model):
+    name, blocks = find_blocks(model)
+    return {n: m for i, b in enumerate(blocks) for n, m in find_linears(b, f"{name}.{i}").items()}
+
+
+def _outside_blocks(model):
+    inside = {id(p) for n, b in [find_blocks(model)] for p in b.parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in inside}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantize_puts_every_linear_on_the_grid(arch):
+    model = build(arch)
+    before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
+    untouched = _outside_blocks(model)
+    report = _run(model)
+    linears = _block_linears(model)
+    assert set(report.layers) == set(linears) == set(report.solutions)
+    for name, mod in linears.items():
+        w, sol = get_weight(mod), report.solutions[name]
+        assert not torch.equal(w, before[name]), name
+        assert torch.equal(w, sol.weight), name
+        assert torch.equal(sol.dequantize().to(w.dtype), w), name
+        # at most 2^bits distinct values in each row of each group
+        for g in range(int(sol.g_idx.max()) + 1):
+            cols = w[:, sol.g_idx == g]
+            assert max(len(torch.unique(row)) for row in cols) <= 2**CFG.bits, name
+        assert report.layers[name].shape == tuple(w.shape)
+        assert report.layers[name].tokens == 6 * 16
+    for n, p in _outside_blocks(model).items():  # embeddings, norms, head
+        assert torch.equal(p, untouched[n]), n
+    t = report.totals
+    assert t["objective"] < t["rtn_objective"]
+    assert t["mean_objective_ratio"] < 1.0
+    assert report.fallbacks == {} and report.skipped == {}
+
+
+def test_report_numbers_are_consistent_and_serialise(tmp_path):
+    model = build("llama")
+    originals = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
+    report = _run(model)
+    row = report.layers["model.layers.0.self_attn.q_proj"]
+    assert row.damp == CFG.damp and row.seconds >= 0 and row.subset == 0
+    assert 0 < row.relative_error < 1 and row.gain > 1
+    path = report.save_json(tmp_path / "report.json")
+    data = json.loads(path.read_text())
+    assert data["config"] == CFG.to_dict()
+    assert set(data["versions"]) >= {"torch", "transformers", "optq"}
+    assert data["totals"]["layers"] == len(originals) == 14
+    assert data["layers"]["model.layers.1.mlp.down_proj"]["objective"] == report.layers["model.layers.1.mlp.down_proj"].objective
+    assert "solutions" not in data
+
+
+def test_layer_objective_matches_the_first_block_hessian():
+    fp = build("llama")
+    calib = tokens(n=6, seqlen=16)
+    q_proj = fp.model.layers[0].self_attn.q_proj
+    H = optq.Hessian(q_proj.in_features, normalize_tokens=CFG.normalize_tokens)
+    handle = q_proj.register_forward_pre_hook(lambda m, a: H.update(a[0]))
+    with torch.no_grad():
+        fp(input_ids=calib, use_cache=False)
+    handle.remove()
+    W = q_proj.weight.detach().clone()
+    report = _run(build("llama"), calib=calib)
+    row = report.layers["model.layers.0.self_attn.q_proj"]
+    Wq = report.solutions["model.layers.0.self_attn.q_proj"].weight
+    assert row.objective == pytest.approx(optq.objective(W, Wq, H.matrix()), rel=1e-4)
+    assert row.rtn_objective == pytest.approx(optq.objective(W, optq.rtn(W, CFG).weight, H.matrix()), rel=1e-4)
+
+
+def test_deterministic():
+    a, b = build("qwen2"), build("qwen2")
+    _run(a)
+    _run(b)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_propagate_original_and_quantized_differ_after_the_first_block():
+    q, o = build("llama"), build("llama")
+    rq, ro = _run(q, propagate="quantized"), _run(o, propagate="original")
+    for name in rq.layers:
+        same = torch.equal(rq.solutions[name].weight, ro.solutions[name].weight)
+        # block 0 sees identical inputs in both modes; block 1 sees quantized vs original ones
+        assert same == name.startswith("model.layers.0."), name
+    assert ro.options["propagate"] == "original"
+
+
+def test_one_factorisation_per_shared_input(monkeypatch):
+    calls = []
+    real = solver.gptq
+    monkeypatch.setattr(solver, "gptq", lambda W, H, c: calls.append(tuple(W.shape)) or real(W, H, c))
+    _run(build("llama"))
+    # per block: q/k/v stacked (32+16+16 rows), o, gate/up stacked, down
+    assert calls == [(64, 32), (32, 32), (128, 32), (32, 64)] * 2
+
+
+def test_stacked_solve_equals_separate_solves():
+    torch.manual_seed(0)
+    X = torch.randn(2048, 48) * torch.rand(48) * 3
+    h = optq.Hessian(48)
+    h.update(X)
+    Ws = [torch.randn(n, 48) for n in (48, 16, 16)]
+    for cfg in (CFG, optq.QuantConfig(bits=4, group_size=-1, act_order=True, sym=False)):
+        stacked = optq.gptq(torch.cat(Ws), h.matrix(), cfg)
+        separate = torch.cat([optq.gptq(w, h.matrix(), cfg).weight for w in Ws])
+        assert torch.equal(stacked.weight, separate)
+
+
+def test_include_exclude():
+    model = build("llama")
+    before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
+    report = _run(model, include="*.mlp.*", exclude="re:layers\\.1\\.mlp\\.down")
+    assert set(report.layers) == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+                                  "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate_proj",
+                                  "model.layers.1.mlp.up_proj"}
+    for n, m in _block_linears(model).items():
+        assert torch.equal(get_weight(m), before[n]) == (n not in report.layers), n
+
+
+def test_rtn_method_rounds_to_nearest():
+    model = build("opt")
+    before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
+    report = _run(model, method="rtn")
+    for n, m in _block_linears(model).items():
+        assert torch.equal(get_weight(m), optq.rtn(before[n], CFG).weight), n
+        assert report.layers[n].objective == report.layers[n].rtn_objective
+
+
+def test_text_calibration_with_a_tokenizer():
+    class CharTokenizer:
+        def __call__(self, text, **kw):
+            return {"input_ids": [ord(c) % VOCAB for c in text]}
+
+    text = ["the quick brown fox jumps over the lazy dog"] * 10
+    report = _run(build("llama"), calib=text, tokenizer=CharTokenizer(), nsamples=5, seqlen=12)
+    assert report.options["nsamples"] == 5 and report.options["tokens"] == 60
+    with pytest.raises(ValueError, match="has 43 tokens, fewer than nsamples x seqlen = 4 x 12"):
+        _run(build("llama"), calib=text[0], tokenizer=CharTokenizer(), nsamples=4, seqlen=12)
+    with pytest.raises(ValueError, match="tokenizer"):
+        _run(build("llama"), calib=text)
+
+
+def test_list_of_samples_and_stream():
+    report = _run(build("mistral"), calib=[torch.randint(0, VOCAB, (n,)) for n in (16, 16, 12)])
+    assert report.options["tokens"] == 44
+    stream = torch.randint(0, VOCAB, (500,))
+    report = _run(build("mistral"), calib=stream, nsamples=3, seqlen=20)
+    assert report.options["tokens"] == 60
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(nsamples=7), "nsamples=7 is out of range"),
+        (dict(nsamples=0), "nsamples=0 is out of range"),
+        (dict(seqlen=17), "seqlen=17 is out of range"),
+        (dict(seqlen=65), "seqlen=65 is out of range"),
+        (dict(propagate="both"), "propagate"),
+        (dict(method="awq"), "method"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(calib=torch.full((2, 8), VOCAB)), "outside the model's vocabulary"),
+        (dict(calib=torch.randn(2, 8)), "token ids"),
+        (dict(include="nope"), "matches none"),
+        (dict(strategy="fast"), "strategy"),
+        (dict(device="gpu0"), "not a torch device"),
+        pytest.param(dict(device="cuda"), "no usable CUDA", marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="CUDA present")),
+    ],
+)
+def test_bad_input(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _run(build("llama"), **kw)
+
+
+def test_model_without_blocks_or_linears():
+    class NoLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.layers = torch.nn.ModuleList([torch.nn.LayerNorm(4) for _ in range(2)])
+
+    with pytest.raises(ValueError, match="no decoder blocks"):
+        _run(NoLinear())
+
+
+def test_factorisation_failure_names_the_layer(monkeypatch):
+    def fail(W, H, c):
+        raise solver.FactorizationError("not positive definite")
+
+    monkeypatch.setattr(solver, "gptq", fail)
+    with pytest.raises(optq.FactorizationError, match=r"model\.layers\.0\.self_attn\.q_proj.*damp"):
+        _run(build("llama"))
+
+
+def test_progress_bar_and_device_option(capsys):
+    report = _run(build("phi"), progress=True, device="cpu")
+    assert "optq" in capsys.readouterr().err
+    assert report.options["device"] == "cpu" and len(report.block_seconds) == 2

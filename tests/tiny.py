@@ -1,0 +1,65 @@
+"""Tiny randomly initialised causal LMs of several architectures, built in the tests (no
+download), and the calibration tokens and quantize call the pipeline tests share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import optq
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _config(arch: str):
+    t = transformers
+    common = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64)
+    if arch in ("llama", "mistral", "qwen2"):
+        cls = {"llama": t.LlamaConfig, "mistral": t.MistralConfig, "qwen2": t.Qwen2Config}[arch]
+        return cls(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, **common)
+    if arch == "gemma3":
+        # Sliding window shorter than the calibration windows, and one layer of each kind, so
+        # the two blocks receive different masks and rotary tables.
+        return t.Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"], **common)
+    if arch == "gpt2":
+        return t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    if arch == "opt":
+        return t.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
+                           **common)
+    if arch == "phi":
+        return t.PhiConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, **common)
+    raise KeyError(arch)
+
+
+ARCHS = ["llama", "mistral", "qwen2", "gemma3", "gpt2", "opt", "phi"]
+
+
+def build(arch: str, seed: int = 0) -> nn.Module:
+    """A tiny randomly initialised causal LM of the given architecture (no download)."""
+    torch.manual_seed(seed)
+    cfg = _config(arch)
+    if arch == "gemma3":
+        model = transformers.Gemma3ForCausalLM(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.float().eval()
+
+
+def tokens(n: int = 4, seqlen: int = 16, seed: int = 1) -> torch.Tensor:
+    """Random calibration token ids [n, seqlen]."""
+    return torch.randint(0, VOCAB, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+CFG = optq.QuantConfig(bits=3, group_size=16)
+
+
+def run(model: nn.Module, **kw):
+    """``optq.quantize`` on 6 x 16 random tokens at 3 bits, group 16, without progress bars."""
+    kw.setdefault("progress", False)
+    return optq.quantize(model, kw.pop("calib", tokens(n=6, seqlen=16)), kw.pop("config", CFG), **kw)
