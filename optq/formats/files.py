@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder", "write_json"]
+__all__ = [
+    "parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder", "atomic_write", "write_json",
+]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -129,3 +132,24 @@ def atomic_folder(target: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def atomic_write(path: str | Path, data: str | bytes, *, mode: int = 0o644) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file renamed over it.
+
+    Readers see the old file or the new one, never a part; on any error the temporary file is
+    removed. The file gets ``mode`` (ordinary data is world-readable, unlike ``mkstemp``'s 0600).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
