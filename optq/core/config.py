@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["QuantConfig"]
+__all__ = ["QuantConfig", "SUPPORTED_BITS"]
+
+# The code widths the checkpoint formats can pack into int32 words (optq.formats.packing reads
+# them from here). The solver itself would run at any width from 2 to 8; 5, 6 and 7 are
+# refused up front so that a long quantization never ends in a checkpoint that cannot be saved.
+SUPPORTED_BITS: tuple[int, ...] = (2, 3, 4, 8)
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -23,7 +28,7 @@ class QuantConfig:
         15
 
     Fields:
-        bits: code width, 2..8.
+        bits: code width: 2, 3, 4 or 8 (SUPPORTED_BITS, what the checkpoint formats pack).
         group_size: input channels sharing one scale/zero; -1 = one group per output channel.
             When it does not divide the layer width the last group is simply shorter.
         sym: symmetric grid (zero point fixed at 2^(bits-1)) or asymmetric (min/max fitted).
@@ -72,8 +77,8 @@ class QuantConfig:
             # bool is an int subclass: refuse True for numeric fields and 1 for booleans.
             if isinstance(value, bool) != (kind == "bool") or not isinstance(value, expected):
                 _fail(f.name, value, f"a value of type {kind}")
-        if not 2 <= self.bits <= 8:
-            _fail("bits", self.bits, "an integer from 2 to 8")
+        if self.bits not in SUPPORTED_BITS:
+            _fail("bits", self.bits, f"one of {SUPPORTED_BITS}, the widths the checkpoint formats can pack")
         if self.group_size != -1 and self.group_size < 1:
             _fail("group_size", self.group_size, "-1 (per output channel) or a positive integer")
         if self.static_groups and not self.act_order:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from optq.core.threads import single_threaded
+
 __all__ = ["FactorizationError", "inverse_factor", "all_finite"]
 
 
@@ -54,7 +56,11 @@ def inverse_factor(
         tried.append(fraction)
         Hd.diagonal().add_((fraction - applied) * mean_diag)
         applied = fraction
-        L, info = torch.linalg.cholesky_ex(Hd)
+        # One thread on CPU: MKL's multi-threaded Cholesky rounds differently from its serial
+        # one (U then differs by ~1e-4 at 1024 columns and some codes flip), so the result would
+        # depend on the thread count. Serial is no slower here (measured up to 4096 columns).
+        with single_threaded(Hd.device.type == "cpu"):
+            L, info = torch.linalg.cholesky_ex(Hd)
         if int(info) == 0:
             J = torch.eye(n, dtype=dtype, device=H.device).flip(0)
             U = torch.linalg.solve_triangular(L, J, upper=False).flip(0)  # J L⁻¹ J

@@ -15,7 +15,7 @@ import torch
 
 from optq.core.config import QuantConfig
 
-__all__ = ["fit", "quantize", "dequantize", "fake_quantize", "group_index"]
+__all__ = ["fit", "fit_groups", "quantize", "dequantize", "fake_quantize", "group_width", "group_index"]
 
 
 def _params_from_range(
@@ -86,7 +86,27 @@ def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq
     return dequantize(quantize(w, scale, zero, maxq), scale, zero)
 
 
+def group_width(columns: int, group_size: int) -> int:
+    """Columns per group: ``group_size``, or all ``columns`` for ``group_size=-1`` (one group per row)."""
+    return columns if group_size == -1 else group_size
+
+
 def group_index(columns: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
-    """g_idx for natural column order: column k belongs to group k // group_size (-1 = one group)."""
-    g = columns if group_size == -1 else group_size
-    return torch.arange(columns, device=device, dtype=torch.int32) // g
+    """The natural g_idx [columns] int32: column k belongs to group k // group_size (-1 = one group).
+
+    The one definition of the natural order; checkpoints without act-order (and with
+    static groups) store exactly this.
+    """
+    return torch.arange(columns, device=device, dtype=torch.int32) // group_width(columns, group_size)
+
+
+def fit_groups(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fit (scale, zero) on each natural column group of ``w`` [rows, cols] (see ``group_index``);
+    returns two [rows, groups] tensors. A last partial group is fitted on its own columns.
+
+    Round-to-nearest, OBQ and GPTQ's static groups all fit their grids this way.
+    """
+    cols = w.shape[1]
+    gs = group_width(cols, config.group_size)
+    pairs = [fit(w[:, g : g + gs], config) for g in range(0, cols, gs)]
+    return torch.stack([p[0] for p in pairs], 1), torch.stack([p[1] for p in pairs], 1)

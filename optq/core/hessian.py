@@ -1,4 +1,4 @@
-"""Accumulating the layer Hessian H = 2 X Xᵀ / n from calibration inputs."""
+"""Accumulating the layer Hessian H = 2 X Xᵀ / n from calibration inputs (tokens at unit RMS by default)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ class Hessian:
     """Running sum of x xᵀ over calibration tokens for one linear layer's input.
 
     ``update`` takes inputs of any leading shape ``[..., in_features]``; every row of the
-    flattened input is one token. With ``normalize_tokens`` each token is scaled to unit RMS
-    first, so the objective weighs every token equally (see QuantConfig.normalize_tokens). The sum (not a running mean) is kept, so ``merge`` of two
+    flattened input is one token. ``normalize_tokens`` (default True, as in QuantConfig and so
+    as in ``optq.quantize``) scales each token to unit RMS first, so the objective weighs every
+    token equally (see QuantConfig.normalize_tokens); ``normalize_tokens=False`` gives the
+    paper's plain H = 2 X Xᵀ / n. The sum (not a running mean) is kept, so ``merge`` of two
     accumulators is exactly the accumulator of the union of their inputs, up to float
     summation order; this is what data-parallel calibration all-reduces.
 
@@ -30,7 +32,7 @@ class Hessian:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        normalize_tokens: bool = False,
+        normalize_tokens: bool = True,
     ) -> None:
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive integer, got {in_features!r}")
@@ -85,7 +87,7 @@ class Hessian:
         return self
 
     def matrix(self) -> torch.Tensor:
-        """The normalised Hessian 2 XᵀX / count (all zeros before any update)."""
+        """The Hessian 2 XᵀX / count of the (unit-RMS, by default) tokens; zeros before any update."""
         if self.count == 0:
             return torch.zeros_like(self.sum)
         return self.sum * (2.0 / self.count)

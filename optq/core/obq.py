@@ -7,7 +7,7 @@ import torch
 from optq.core import grid
 from optq.core.config import QuantConfig
 from optq.core.factor import inverse_factor
-from optq.core.solver import Solution, _check, _natural_groups, _solution, _work_dtype
+from optq.core.solver import Solution, _check, _solution, _work_dtype
 
 __all__ = ["obq"]
 
@@ -29,7 +29,7 @@ def obq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     Hinv = (U.T @ U).expand(rows, cols, cols).clone()  # one inverse per row: rows choose apart
     del U
     w = W.to(dtype=dtype, copy=True)
-    scales, zeros = _natural_groups(w, config)
+    scales, zeros = grid.fit_groups(w, config)
     g_idx = grid.group_index(cols, config.group_size, W.device)
     s_col, z_col = scales[:, g_idx], zeros[:, g_idx]
     done = torch.zeros(rows, cols, dtype=torch.bool, device=W.device)

@@ -16,19 +16,17 @@ output error per calibration token when H is ``Hessian.matrix()``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from optq.core import grid
 from optq.core.config import QuantConfig
 from optq.core.factor import FactorizationError, all_finite, inverse_factor
+from optq.core.threads import single_threaded
 
 __all__ = ["Solution", "FactorizationError", "gptq", "rtn", "objective"]
 
 
-
-@dataclass
 class Solution:
     """A quantized weight matrix. ``weight`` is exactly the dequantization of the others:
 
@@ -47,21 +45,65 @@ class Solution:
         config: the settings used.
     """
 
-    weight: torch.Tensor
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    g_idx: torch.Tensor
-    perm: torch.Tensor
-    loss: float | None
-    damp: float | None
-    config: QuantConfig
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        g_idx: torch.Tensor,
+        perm: torch.Tensor,
+        loss: float | None,
+        damp: float | None,
+        config: QuantConfig,
+    ) -> None:
+        self.weight = weight
+        self.codes = codes
+        self.scales = scales
+        self.zeros = zeros
+        self.g_idx = g_idx
+        self.perm = perm
+        self.loss = loss
+        self.damp = damp
+        self.config = config
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """[rows, cols] uint8 codes, natural column order (see ``drop_codes``)."""
+        if self._codes is not None:
+            return self._codes
+        self._check_weight_unchanged()
+        return self._codes_from_weight()
+
+    @codes.setter
+    def codes(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"codes must be a tensor, got {type(value).__name__}")
+        self._codes: torch.Tensor | None = value
+        # After drop_codes: the weight tensor the codes are recomputed from and its version
+        # counter then (torch bumps it on every in-place change, through views too).
+        self._dropped_from: tuple[torch.Tensor, int] | None = None
+
+    def __repr__(self) -> str:
+        rows, cols = self.weight.shape
+        return (f"Solution({rows}x{cols} {self.weight.dtype}, bits={self.config.bits}, "
+                f"groups={self.scales.shape[1]}, loss={self.loss}, damp={self.damp}, "
+                f"codes={'stored' if self._codes is not None else 'from weight'})")
 
     def dequantize(self) -> torch.Tensor:
         """Recompute the weight (in the scales' dtype) from codes, scales, zeros and g_idx."""
         g = self.g_idx.long()
         s = self.scales[:, g]
         return grid.dequantize(self.codes.to(s.dtype), s, self.zeros[:, g].to(s.dtype))
+
+    def _check_weight_unchanged(self) -> None:
+        weight, version = self._dropped_from
+        if self.weight is not weight or weight._version != version:
+            raise RuntimeError(
+                "the codes of this solution were dropped (see Solution.drop_codes) and its weight, "
+                "the model's own, has been replaced or modified in place since (load_state_dict, "
+                "training, another quantization); save the checkpoint before changing the model"
+            )
 
     def _codes_from_weight(self) -> torch.Tensor:
         g = self.g_idx.long()
@@ -77,39 +119,18 @@ class Solution:
         + zero`` gives the code back whenever that rounding is finer than half a grid step
         (float32, float16; not bfloat16 at 8 bits). This is checked, not assumed. The pipeline
         uses it to keep one byte per weight fewer while a model is quantized; ``weight`` must then
-        not change (it is the model's own weight tensor there): reading ``codes`` after an
-        in-place change of ``weight`` raises RuntimeError instead of returning other codes.
+        stay the same, unchanged tensor (it is the model's own weight there): reading ``codes``
+        after ``weight`` was replaced or changed in place raises RuntimeError instead of
+        returning other codes.
         """
-        stored = self.__dict__.get("_codes")
-        if stored is None:
+        if self._codes is None:  # dropped already: still recomputable?
+            self._check_weight_unchanged()
             return True
-        if not torch.equal(self._codes_from_weight(), stored.to(self.scales.device)):
+        if not torch.equal(self._codes_from_weight(), self._codes.to(self.scales.device)):
             return False
-        self.__dict__["_codes"] = None
-        self.__dict__["_weight_version"] = self.weight._version
+        self._codes = None
+        self._dropped_from = (self.weight, self.weight._version)
         return True
-
-
-def _get_codes(self: Solution) -> torch.Tensor:
-    stored = self.__dict__.get("_codes")
-    if stored is not None:
-        return stored
-    if self.weight._version != self.__dict__.get("_weight_version"):
-        raise RuntimeError(
-            "the codes of this solution were dropped (see Solution.drop_codes) and its weight, "
-            "the model's own, has been modified in place since (load_state_dict, training, "
-            "another quantization); save the checkpoint before changing the model"
-        )
-    return self._codes_from_weight()
-
-
-def _set_codes(self: Solution, value: torch.Tensor) -> None:
-    self.__dict__["_codes"] = value
-
-
-# A property behind the dataclass field, so that codes can be dropped (see drop_codes) without
-# changing how a Solution is built or read.
-Solution.codes = property(_get_codes, _set_codes, doc="[rows, cols] uint8 codes, natural column order.")  # type: ignore[assignment]
 
 
 def objective(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
@@ -155,10 +176,6 @@ def _current(
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _group_size(config: QuantConfig, cols: int) -> int:
-    return cols if config.group_size == -1 else config.group_size
-
-
 def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     """Quantize W [rows, cols] with GPTQ under Hessian H [cols, cols] (e.g. ``Hessian.matrix()``).
 
@@ -172,7 +189,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     dtype = _work_dtype(W)
     device = W.device
     maxq = config.maxq
-    gs = _group_size(config, cols)
+    gs = grid.group_width(cols, config.group_size)
     n_groups = math.ceil(cols / gs)
 
     H = H.to(device)
@@ -197,10 +214,10 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
         g_idx[perm] = natural
     group_of_pos = g_idx[perm].tolist()  # group of the column quantized at each position
     if config.static_groups:
-        W0 = W.to(dtype)
-        for g in range(n_groups):
-            scales[g], zeros[g] = grid.fit(W0[:, g * gs : (g + 1) * gs], config)
-        del W0
+        static_scales, static_zeros = grid.fit_groups(W.to(dtype), config)
+        scales.copy_(static_scales.T)
+        zeros.copy_(static_zeros.T)
+        del static_scales, static_zeros
     fit_at = set() if config.static_groups else set(range(0, cols, gs))
     diag = U.diagonal().tolist()
 
@@ -211,39 +228,36 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     Err = torch.empty(cols, rows, dtype=dtype, device=device)  # row q: Err of column q
     B = config.block_size
     b = min(_SUB_BLOCK, B)
-    threads = torch.get_num_threads()
-    serial = device.type == "cpu" and threads > 1
+    # The column loop is thousands of tiny ops: on CPU, forking threads for each costs more than
+    # it saves (and stalls badly when other processes share the cores). The block-level GEMMs
+    # below stay multi-threaded.
+    serial = device.type == "cpu"
     for i1 in range(0, cols, B):
         i2 = min(i1 + B, cols)
-        if serial:
-            # The column loop is thousands of tiny ops: forking threads for each costs more
-            # than it saves (and stalls badly when other processes share the cores).
-            torch.set_num_threads(1)
-        # Two levels of laziness: rank-one updates only inside sub-blocks of b columns, one GEMM
-        # per sub-block for the rest of the block, one GEMM per block for all later columns.
-        for j1 in range(i1, i2, b):
-            j2 = min(j1 + b, i2)
-            for pos in range(j1, j2):
-                g = group_of_pos[pos]
-                if pos in fit_at:
-                    part = _current(Wt, U, Err, pos, min(pos + gs, cols), i1, i2, j1, j2)
-                    scales[g], zeros[g] = grid.fit(part.T, config)
-                s, z = scales[g], zeros[g]
-                w = Wt[pos]
-                q = block_codes[pos - i1]
-                torch.div(w, s, out=q)
-                q.round_().add_(z).clamp_(0, maxq)
-                e = Err[pos]
-                dq = grid.dequantize(q, s, z)
-                torch.sub(w, dq, out=e)
-                e.div_(diag[pos])
-                w.copy_(dq)  # the finished column now holds its dequantized value
-                if pos + 1 < j2:
-                    Wt[pos + 1 : j2].addr_(U[pos, pos + 1 : j2], e, alpha=-1)
-            if j2 < i2:
-                Wt[j2:i2].addmm_(U[j1:j2, j2:i2].T, Err[j1:j2], alpha=-1)
-        if serial:
-            torch.set_num_threads(threads)
+        with single_threaded(serial):
+            # Two levels of laziness: rank-one updates only inside sub-blocks of b columns, one
+            # GEMM per sub-block for the rest of the block, one GEMM per block for later columns.
+            for j1 in range(i1, i2, b):
+                j2 = min(j1 + b, i2)
+                for pos in range(j1, j2):
+                    g = group_of_pos[pos]
+                    if pos in fit_at:
+                        part = _current(Wt, U, Err, pos, min(pos + gs, cols), i1, i2, j1, j2)
+                        scales[g], zeros[g] = grid.fit(part.T, config)
+                    s, z = scales[g], zeros[g]
+                    w = Wt[pos]
+                    q = block_codes[pos - i1]
+                    torch.div(w, s, out=q)
+                    q.round_().add_(z).clamp_(0, maxq)
+                    e = Err[pos]
+                    dq = grid.dequantize(q, s, z)
+                    torch.sub(w, dq, out=e)
+                    e.div_(diag[pos])
+                    w.copy_(dq)  # the finished column now holds its dequantized value
+                    if pos + 1 < j2:
+                        Wt[pos + 1 : j2].addr_(U[pos, pos + 1 : j2], e, alpha=-1)
+                if j2 < i2:
+                    Wt[j2:i2].addmm_(U[j1:j2, j2:i2].T, Err[j1:j2], alpha=-1)
         codes[i1:i2].copy_(block_codes[: i2 - i1])
         if i2 < cols:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, Err[i1:i2], alpha=-1)
@@ -272,9 +286,11 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     # The objective without another [rows, cols] x [cols, cols] product: GPTQ's final error is
     # Δ = Err U (permuted), so ½ tr(Δ H_d Δᵀ) = ½ ||Err||² exactly for the damped H_d = H + diag(added);
     # remove what the added diagonal contributed to get the objective on the caller's H.
-    # (float32 sums are pairwise and accurate here; float64 would double the memory traffic)
-    delta_sq = (W.to(dtype) - weight).square_().sum(0)
-    sol.loss = 0.5 * (float(Err.square_().sum()) - float(added @ delta_sq))
+    # (float32 sums are pairwise and accurate here; float64 would double the memory traffic;
+    # one thread, because a parallel sum's rounding depends on how the threads split it)
+    with single_threaded(serial):
+        delta_sq = (W.to(dtype) - weight).square_().sum(0)
+        sol.loss = 0.5 * (float(Err.square_().sum()) - float(added @ delta_sq))
     return sol
 
 
@@ -312,18 +328,8 @@ def rtn(W: torch.Tensor, config: QuantConfig) -> Solution:
     _check(W, None, config)
     rows, cols = W.shape
     Wf = W.to(_work_dtype(W))
-    scales, zeros = _natural_groups(Wf, config)
+    scales, zeros = grid.fit_groups(Wf, config)
     g_idx = grid.group_index(cols, config.group_size, W.device)
     codes = grid.quantize(Wf, scales[:, g_idx], zeros[:, g_idx], config.maxq)
     perm = torch.arange(cols, device=W.device)
     return _solution(W, None, codes, scales, zeros, g_idx, perm, None, config)
-
-
-def _natural_groups(W: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grid parameters [rows, groups] fitted on W's natural column groups."""
-    rows, cols = W.shape
-    gs = _group_size(config, cols)
-    pairs = [grid.fit(W[:, g : g + gs], config) for g in range(0, cols, gs)]
-    return torch.stack([p[0] for p in pairs], 1), torch.stack([p[1] for p in pairs], 1)
-
-

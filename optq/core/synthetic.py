@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from optq.core.threads import single_threaded
+
 __all__ = ["correlated_inputs"]
 
 
@@ -15,7 +17,8 @@ def correlated_inputs(tokens: int, dim: int, *, seed: int = 0, outliers: int = 8
     what it exploits, outliers dominate the mean diagonal used for damping).
     """
     g = torch.Generator().manual_seed(seed)
-    basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g))
+    with single_threaded():  # MKL's threaded QR rounds differently: same seed, same bytes
+        basis, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g))
     spectrum = torch.arange(1, dim + 1, dtype=torch.float32).pow(-0.7)
     X = (torch.randn(tokens, dim, generator=g) * spectrum) @ basis.T
     X[:, torch.randperm(dim, generator=g)[:outliers]] *= outlier_scale

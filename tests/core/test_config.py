@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from optq import QuantConfig
+from optq.core.config import SUPPORTED_BITS
 
 
 def test_defaults_and_derived_values():
@@ -31,8 +32,8 @@ def test_frozen_and_keyword_only():
 @pytest.mark.parametrize(
     "kwargs,field,allowed",
     [
-        ({"bits": 1}, "bits", "2 to 8"),
-        ({"bits": 9}, "bits", "2 to 8"),
+        ({"bits": 1}, "bits", "(2, 3, 4, 8)"),
+        ({"bits": 9}, "bits", "(2, 3, 4, 8)"),
         ({"bits": 4.0}, "bits", "int"),
         ({"group_size": 0}, "group_size", "-1"),
         ({"group_size": -2}, "group_size", "-1"),
@@ -55,5 +56,32 @@ def test_bad_values_name_the_field_and_the_allowed_values(kwargs, field, allowed
 
 
 def test_valid_corner_values():
-    QuantConfig(bits=2, group_size=-1)
-    QuantConfig(bits=8, group_size=1, damp=0.0, act_order=True, static_groups=True)
+    low = QuantConfig(bits=2, group_size=-1, act_order=False)
+    assert (low.bits, low.group_size, low.maxq, low.static_groups) == (2, -1, 3, False)
+    high = QuantConfig(bits=8, group_size=1, damp=0.0, damp_max=0.0, act_order=True, static_groups=False)
+    assert (high.bits, high.group_size, high.maxq, high.damp, high.damp_max) == (8, 1, 255, 0.0, 0.0)
+    assert high.static_groups is False  # an explicit False survives act_order=True
+    assert QuantConfig(act_order=True).static_groups is True  # the default follows act_order
+    assert high.to_dict() == {**QuantConfig().to_dict(), "bits": 8, "group_size": 1, "damp": 0.0,
+                              "damp_max": 0.0, "static_groups": False}
+    assert QuantConfig(**high.to_dict()) == high  # the dict form round-trips
+
+
+@pytest.mark.parametrize("bits", [5, 6, 7])
+def test_widths_the_checkpoints_cannot_pack_are_refused_up_front(bits):
+    # the solver could run at these widths, but saving would fail only after the whole model
+    with pytest.raises(ValueError, match=rf"QuantConfig.bits={bits} is invalid") as info:
+        QuantConfig(bits=bits)
+    message = str(info.value)
+    assert "\n" not in message and "(2, 3, 4, 8)" in message and "checkpoint" in message
+
+
+def test_supported_bits_are_every_width_a_config_accepts():
+    assert SUPPORTED_BITS == (2, 3, 4, 8)
+    accepted = []
+    for bits in range(17):
+        try:
+            accepted.append(QuantConfig(bits=bits).bits)
+        except ValueError:
+            pass
+    assert tuple(accepted) == SUPPORTED_BITS

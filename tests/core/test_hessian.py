@@ -10,7 +10,7 @@ import optq
 
 def test_matrix_is_two_x_xt_over_count():
     x = torch.randn(37, 6, dtype=torch.float64)
-    h = optq.Hessian(6, dtype=torch.float64)
+    h = optq.Hessian(6, dtype=torch.float64, normalize_tokens=False)
     h.update(x)
     assert h.count == 37
     assert torch.allclose(h.matrix(), 2 * x.T @ x / 37, rtol=1e-12)
@@ -44,14 +44,14 @@ def test_float64_accumulation_on_request():
 
 
 def test_bad_inputs_are_named():
-    h = optq.Hessian(4)
+    h = optq.Hessian(4, normalize_tokens=False)  # the plain path finds bad values another way
     x = torch.randn(5, 4)
     x[0, 1] = float("nan")
     x[3, 2] = float("inf")
     with pytest.raises(ValueError, match="2 NaN/Inf"):
         h.update(x)
     assert h.count == 0  # nothing was added
-    normed = optq.Hessian(4, normalize_tokens=True)
+    normed = optq.Hessian(4)
     with pytest.raises(ValueError, match="2 NaN/Inf"):
         normed.update(x)
     assert normed.count == 0 and torch.equal(normed.sum, torch.zeros(4, 4))
@@ -74,7 +74,7 @@ def test_normalized_tokens_weigh_equally():
     h.update(x)
     unit = x / x.pow(2).mean(1, keepdim=True).sqrt()
     assert torch.allclose(h.matrix(), 2 * unit.T @ unit / 40, rtol=1e-12)
-    plain = optq.Hessian(6, dtype=torch.float64)
+    plain = optq.Hessian(6, dtype=torch.float64, normalize_tokens=False)
     plain.update(x)
     # the massive token owns the plain Hessian (its share of the trace), not the normalised one
     share = 2 * x[3].pow(2).sum() / 40 / plain.matrix().trace()
@@ -82,3 +82,45 @@ def test_normalized_tokens_weigh_equally():
     assert torch.isclose(h.matrix().trace(), torch.tensor(2.0 * 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="normalize_tokens"):
         h.merge(plain)
+
+
+def test_default_normalizes_tokens_as_the_pipeline_does():
+    # optq.Hessian(k) + optq.gptq must optimise what optq.quantize does with a default config
+    assert optq.Hessian(4).normalize_tokens is optq.QuantConfig().normalize_tokens is True
+    x = torch.randn(30, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    default, normed = optq.Hessian(4, dtype=torch.float64), optq.Hessian(4, dtype=torch.float64, normalize_tokens=True)
+    default.update(x)
+    normed.update(x)
+    assert torch.equal(default.matrix(), normed.matrix())
+    assert "normalize_tokens=True" in repr(default)
+
+
+def test_update_is_byte_identical_on_one_and_two_threads():
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(2))
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for normalize in (False, True):
+                h = optq.Hessian(96, normalize_tokens=normalize)
+                for chunk in x.split(64):
+                    h.update(chunk)
+                out.append(h.matrix())
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])
+
+
+def test_synthetic_inputs_do_not_depend_on_the_thread_count():
+    from optq.core.synthetic import correlated_inputs
+
+    threads = torch.get_num_threads()
+    try:
+        out = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            out.append(correlated_inputs(200, 96, seed=3))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[0], out[1])

@@ -22,7 +22,8 @@ def correlated(n: int, d: int, seed: int, dtype=torch.float64) -> torch.Tensor:
 
 
 def hessian_of(X: torch.Tensor) -> torch.Tensor:
-    h = optq.Hessian(X.shape[-1], dtype=X.dtype)
+    """The paper's plain H = 2XXᵀ/n (no token normalisation)."""
+    h = optq.Hessian(X.shape[-1], dtype=X.dtype, normalize_tokens=False)
     h.update(X)
     return h.matrix()
 
