@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 from . import CliError
@@ -32,9 +33,14 @@ def marlin_note(qc: dict) -> str:
     return "yes" if not reasons else "no: " + ", ".join(reasons) + "; vLLM falls back to slower kernels"
 
 
+def natural_key(name: str) -> list:
+    """Sort key that orders numbers as numbers: layers.2 before layers.10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the config, the quantized layers, size on disk against fp32, Marlin support."""
-    from optq.formats.files import read_index
+    """Print a summary (format, grid, layers, parameters, size, Marlin), then the layers."""
+    from optq.formats.files import read_index, read_tensors
 
     folder: Path = args.folder
     try:
@@ -43,46 +49,48 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read {folder}: {exc}") from None
     qc = config.get("quantization_config")
-    if qc is None:
+    if not isinstance(qc, dict):
         raise CliError(f"{folder}/config.json has no quantization_config: not a quantized checkpoint")
     ct = qc.get("quant_method") == "compressed-tensors"
     if ct:
         w = next(iter(qc.get("config_groups", {}).values()), {}).get("weights", {})
-        view = {"bits": w.get("num_bits"), "group_size": w.get("group_size") or -1, "sym": w.get("symmetric", True)}
-        marker = ".weight_packed"
+        view = {"bits": w.get("num_bits"), "group_size": w.get("group_size") or -1, "sym": w.get("symmetric", True),
+                "desc_act": bool(w.get("actorder"))}
+        fmt, marker = f"compressed-tensors ({qc.get('format', '?')})", ".weight_packed"
     else:
         view, marker = qc, ".qweight"
-    print("quantization_config:")
-    print(json.dumps(qc, indent=2, sort_keys=True))
+        fmt = f"GPTQ (checkpoint_format {qc.get('checkpoint_format', qc.get('format', 'gptq'))})"
+    layers = sorted((k[: -len(marker)] for k in index if k.endswith(marker)), key=natural_key)
+    shapes = {}
+    try:
+        for name in layers:
+            if ct:
+                n_out, n_in = next(read_tensors(folder, index, [f"{name}.weight_shape"]))[1].tolist()
+            else:
+                n_in, n_out = index[f"{name}.g_idx"][1][0], index[f"{name}.qweight"][1][1]
+            shapes[name] = (int(n_in), int(n_out))
+    except (KeyError, ValueError) as exc:
+        raise CliError(f"cannot read {folder}: layer {name} is incomplete ({exc})") from None
+    prefixes = tuple(f"{n}." for n in layers)
+    quantized = sum(i * o for i, o in shapes.values())
+    floats = sum(math.prod(shape) for key, (_, shape, dtype) in index.items()
+                 if dtype.is_floating_point and not (key.startswith(prefixes) and not key.endswith(".bias")))
+    tensor_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in index.values())
+    disk = sum((folder / f).stat().st_size for f in {f for f, _, _ in index.values()})
+    fp32 = 4 * (quantized + floats)
     bits, group = view.get("bits"), view.get("group_size")
-    layers = sorted(k[: -len(marker)] for k in index if k.endswith(marker))
-    fp32 = disk = 0
-    print(f"\n{len(layers)} quantized layers:")
-    print(f"  {'layer':60s} {'in':>6s} {'out':>6s} {'bits':>4s} {'group':>5s}")
-    for key, (_, shape, dtype) in index.items():
-        disk += math.prod(shape) * dtype.itemsize
-        name = key.rsplit(".", 1)[0]
-        if name not in layers and dtype.is_floating_point:
-            fp32 += 4 * math.prod(shape)
-    for name in layers:
-        if ct:
-            n_out, n_in = [int(x) for x in _weight_shape(folder, index, name)]
-        else:
-            n_in, n_out = len_k(index, name), index[f"{name}.qweight"][1][1]
-        fp32 += 4 * n_in * n_out + (4 * n_out if f"{name}.bias" in index else 0)
-        print(f"  {name:60s} {n_in:6d} {n_out:6d} {bits:4d} {group:5d}")
-    print(f"\nsize on disk: {disk / 1e6:.1f} MB (tensors); fp32 original: {fp32 / 1e6:.1f} MB "
-          f"(from shapes); ratio {disk / max(fp32, 1):.3f}")
+    print(f"{folder}: {fmt}, {bits}-bit, group size {group}, "
+          f"{'symmetric' if view.get('sym', True) else 'asymmetric'}, "
+          f"act-order (desc_act): {'yes' if view.get('desc_act') else 'no'}")
+    print(f"quantized layers: {len(layers)}; parameters: {quantized / 1e6:.2f} M quantized, "
+          f"{floats / 1e6:.2f} M float")
+    print(f"size on disk: {disk / 1e6:.1f} MB ({tensor_bytes / 1e6:.1f} MB of tensors); "
+          f"fp32: {fp32 / 1e6:.1f} MB; ratio {disk / max(fp32, 1):.3f}")
     print(f"vLLM Marlin kernels: {marlin_note(view)}")
+    width = max((len(n) for n in layers), default=5)
+    print(f"\n  {'layer':{width}s} {'in':>6s} {'out':>6s}")
+    for name in layers:
+        n_in, n_out = shapes[name]
+        print(f"  {name:{width}s} {n_in:6d} {n_out:6d}")
+    print(f"\nquantization_config: {json.dumps(qc, sort_keys=True)}")
     return 0
-
-
-def len_k(index: dict, name: str) -> int:
-    """in_features of a GPTQ layer: the length of its g_idx."""
-    return index[f"{name}.g_idx"][1][0]
-
-
-def _weight_shape(folder: Path, index: dict, name: str) -> list[int]:
-    from optq.formats.files import read_tensors
-
-    return next(read_tensors(folder, index, [f"{name}.weight_shape"]))[1].tolist()

@@ -205,6 +205,7 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
 
     state = {}
     for key, tensor in read_tensors(folder, index, [k for k in index if k not in tied]):
+        _check_values(folder / index[key][0], key, tensor, key.startswith(quant_prefixes), expected)
         want = expected[key]
         state[key] = tensor.to(want.dtype) if tensor.dtype != want.dtype else tensor
     if convert is not None:
@@ -217,6 +218,32 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
         raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
     model.config.quantization_config = qc
     return model.to(device).eval()
+
+
+_SCALES = (".scales", ".weight_scale")
+
+
+def _check_values(path: Path, key: str, tensor: torch.Tensor, quantized: bool,
+                  expected: Mapping[str, torch.Tensor]) -> None:
+    """Catch corrupt data before it turns into NaN logits: one reduction per tensor.
+
+    Scales of quantized layers must be finite and > 0 (the grids always give a positive scale,
+    also for all-zero groups); every other float tensor finite; g_idx within the groups.
+    """
+    bad = None
+    if quantized and key.endswith(_SCALES) and tensor.is_floating_point():
+        if not bool(((tensor > 0) & (tensor < float("inf"))).all()):
+            bad = "scales that are not finite and positive"
+    elif tensor.is_floating_point():
+        if not bool(torch.isfinite(tensor).all()):
+            bad = "NaN or infinite values"
+    elif quantized and key.endswith(".g_idx") and tensor.numel():
+        groups = expected[key[: -len("g_idx")] + "scales"].shape[0]
+        low, high = torch.aminmax(tensor)
+        if int(low) < 0 or int(high) >= groups:
+            bad = f"group indices outside [0, {groups})"
+    if bad is not None:
+        raise CheckpointError(f"{path}: tensor {key} has {bad}; the file is corrupt, re-save or re-download it")
 
 
 def _tied_keys(model: nn.Module, expected: Mapping[str, torch.Tensor]) -> set[str]:

@@ -4,22 +4,32 @@ and reading tensor headers (shapes and dtypes) without loading data. Never unpic
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import glob
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder", "atomic_write", "write_json",
+    "CheckpointError", "parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder",
+    "atomic_write", "write_json",
 ]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder (or a model to save) does not match what the format requires."""
+
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -71,11 +81,28 @@ def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_
     return [*names, INDEX]
 
 
+def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is truncated or corrupt (safetensors: {exc}); re-save or re-download it"
+    )
+
+
 def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
-    """tensor name -> (file, shape, dtype), from the safetensors headers only."""
+    """tensor name -> (file, shape, dtype), from the safetensors headers only.
+
+    Raises :class:`CheckpointError` naming the file when an index or a header cannot be read
+    (truncated, corrupt, or a shard the index names is missing).
+    """
+    folder = Path(folder)
     if (folder / INDEX).exists():
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            weight_map = json.loads((folder / INDEX).read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                f"{folder / INDEX} is not a safetensors index ({type(exc).__name__}: {exc}); "
+                "re-save or re-download it"
+            ) from None
     elif (folder / SINGLE).exists():
         files = [SINGLE]
     else:
@@ -84,54 +111,158 @@ def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtyp
         )
     out: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
     for fname in files:
-        with safe_open(str(folder / fname), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                dtype = _DTYPES.get(sl.get_dtype())
-                if dtype is None:
-                    raise ValueError(f"{fname}: tensor {name} has unsupported dtype {sl.get_dtype()}")
-                out[name] = (fname, tuple(sl.get_shape()), dtype)
+        path = folder / fname
+        if not path.is_file():
+            raise CheckpointError(f"{folder / INDEX} names {fname}, which is missing; re-save or re-download it")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    dtype = _DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
+                    out[name] = (fname, tuple(sl.get_shape()), dtype)
+        except SafetensorError as exc:
+            raise _corrupt(path, exc) from None
     return out
 
 
 def read_tensors(folder: Path, index: dict[str, tuple[str, tuple[int, ...], torch.dtype]],
                  names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for ``names``, opening each file once."""
+    """Yield (name, tensor) for ``names``, opening each file once (CheckpointError when unreadable)."""
     by_file: dict[str, list[str]] = {}
     for n in names:
         by_file.setdefault(index[n][0], []).append(n)
     for fname, keys in sorted(by_file.items()):
-        with safe_open(str(folder / fname), framework="pt") as f:
-            for k in keys:
-                yield k, f.get_tensor(k)
+        path = Path(folder) / fname
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for k in keys:
+                    try:
+                        tensor = f.get_tensor(k)
+                    except SafetensorError as exc:
+                        raise _corrupt(path, exc) from None
+                    yield k, tensor
+        except SafetensorError as exc:
+            raise _corrupt(path, exc) from None
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
+_AT_FDCWD = -100
+_FILE_MODE, _DIR_MODE = 0o644, 0o755
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux ``renameat2(src, dst, flags)``; False where the libc, kernel or filesystem lacks it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False  # the kernel or this filesystem cannot do it: the caller falls back
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _set_modes(folder: Path) -> None:
+    """Every file 0644, every folder 0755 (``save_file`` writes 0600, ``mkstemp`` too)."""
+    os.chmod(folder, _DIR_MODE)
+    for root, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), _DIR_MODE)
+        for f in files:
+            os.chmod(os.path.join(root, f), _FILE_MODE)
+
+
+def _clean_stale(target: Path) -> None:
+    """Remove ``.NAME.optq-tmp-PID`` / ``.NAME.optq-old-PID`` left by runs that crashed.
+
+    Only those whose PID is not a live process on this machine; our own PID's are removed too
+    (left by an earlier crash of a process that had the same PID).
+    """
+    for p in target.parent.glob(f".{glob.escape(target.name)}.optq-*-*"):
+        kind, _, pid = p.name[len(target.name) + 2:].rpartition("-")
+        if kind not in ("optq-tmp", "optq-old") or not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        _remove(p)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 @contextlib.contextmanager
 def atomic_folder(target: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary folder beside ``target``; on success it replaces ``target``.
 
-    On any error the temporary folder is removed and ``target`` is left as it was.
+    The temporary folder is ``.NAME.optq-tmp-PID`` beside ``target``. On any error it is removed
+    and ``target`` is left as it was. On success every file gets mode 0644 and every folder
+    0755. With ``overwrite`` an existing ``target`` is swapped with the new folder in one step
+    (Linux ``renameat2(RENAME_EXCHANGE)``), so at every moment ``target`` is either the old
+    folder or the new one; the old content (now at the temporary name) is then deleted. Where
+    the exchange is unavailable the old folder is first renamed to ``.NAME.optq-old-PID``
+    (``target`` is briefly absent), put back if the second rename fails, and deleted otherwise.
+    A process killed mid-way can leave ``.NAME.optq-tmp-PID`` or ``-old-PID`` behind (``target``
+    itself is always whole, or absent only in the fallback's gap); the next write to the same
+    ``target`` removes such leftovers of processes that are no longer running.
     """
     target = Path(target)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass overwrite=True or choose another folder")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(target)
     tmp = target.parent / f".{target.name}.optq-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         yield tmp
-        if target.exists():
-            old = target.parent / f".{target.name}.optq-old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
+        _set_modes(tmp)
+        if not target.exists():
+            if not _renameat2(tmp, target, _RENAME_NOREPLACE):
+                tmp.rename(target)
+        elif not overwrite:
+            raise FileExistsError(f"{target} appeared while writing; pass overwrite=True or choose another folder")
+        elif not _renameat2(tmp, target, _RENAME_EXCHANGE):
+            _replace_by_renames(tmp, target)
+    finally:
+        _remove(tmp)  # the failed write, or the old content after an exchange
+
+
+def _replace_by_renames(tmp: Path, target: Path) -> None:
+    """The fallback: target -> .old, tmp -> target, delete .old (or put it back on failure)."""
+    old = target.parent / f".{target.name}.optq-old-{os.getpid()}"
+    _remove(old)
+    target.rename(old)
+    replaced = False
+    try:
+        tmp.rename(target)
+        replaced = True
+    finally:
+        if replaced:
+            _remove(old)
         else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            old.rename(target)
 
 
 def atomic_write(path: str | Path, data: str | bytes, *, mode: int = 0o644) -> Path:

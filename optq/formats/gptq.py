@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from optq.core.grid import group_index
+from optq.formats.files import CheckpointError
 from optq.formats.linears import is_linear
 from optq.formats.packing import FORMATS, SUPPORTED_BITS, pack_qzeros
 from optq.formats.qlinear import QuantLinear
@@ -17,10 +19,6 @@ if TYPE_CHECKING:
     from optq.core.solver import Solution
 
 __all__ = ["CheckpointError", "quantized_layers", "gptq_config", "check_gptq_config"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder (or a model to save) does not match what the format requires."""
 
 
 def quantized_layers(
@@ -99,8 +97,7 @@ def gptq_config(layers: Mapping[str, QuantLinear], checkpoint_format: str) -> di
 
 
 def _is_natural(q: QuantLinear) -> bool:
-    g = q.in_features if q.group_size == -1 else q.group_size
-    return torch.equal(q.g_idx.long().cpu(), torch.arange(q.in_features) // g)
+    return torch.equal(q.g_idx.to(torch.int32), group_index(q.in_features, q.group_size, q.g_idx.device))
 
 
 def check_gptq_config(qc: Mapping[str, Any]) -> tuple[int, int, str]:

@@ -34,11 +34,14 @@ def get_weight(module: nn.Module) -> torch.Tensor:
 
 def set_weight(module: nn.Module, weight: torch.Tensor) -> None:
     """Write a [out_features, in_features] weight back in the module's own layout, in place."""
-    target = module.weight.data
+    target = module.weight
     src = weight.T if _is_conv1d(module) else weight
     if src.shape != target.shape:
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit {type(module).__name__}")
-    target.copy_(src)
+    # Not through .data: an in-place copy under no_grad bumps the parameter's version counter,
+    # which solutions holding dropped codes rely on to notice a changed weight.
+    with torch.no_grad():
+        target.copy_(src)
 
 
 def find_linears(module: nn.Module, prefix: str = "") -> dict[str, nn.Module]:

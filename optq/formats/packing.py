@@ -9,7 +9,7 @@ Words are uint32 bit patterns stored in int32 tensors (what the format's files h
 Example::
 
     >>> import torch
-    >>> from optq.packing import pack, unpack
+    >>> from optq.formats.packing import pack, unpack
     >>> codes = torch.tensor([[7], [7], [7], [7], [7], [7], [7], [7]])
     >>> hex(pack(codes, bits=4, dim=0).item() & 0xFFFFFFFF)
     '0x77777777'
@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from optq.core.config import SUPPORTED_BITS
 
 __all__ = [
     "FORMATS",
@@ -65,8 +67,7 @@ def _layout(bits: int) -> _Layout:
 
 
 # bits -> layout, the dispatch table for every function below.
-_LAYOUTS: dict[int, _Layout] = {b: _layout(b) for b in (2, 3, 4, 8)}
-SUPPORTED_BITS = tuple(sorted(_LAYOUTS))
+_LAYOUTS: dict[int, _Layout] = {b: _layout(b) for b in SUPPORTED_BITS}
 
 
 def _get_layout(bits: int) -> _Layout:

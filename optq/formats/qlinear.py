@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optq.core.grid import group_index
 from optq.formats.packing import (
     SUPPORTED_BITS,
     pack_qweight,
@@ -82,7 +83,6 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.checkpoint_format = bits, group_size, checkpoint_format
         groups = _num_groups(in_features, group_size)
-        g = in_features if group_size == -1 else group_size
         kw: dict[str, Any] = {"device": device}
         self.register_buffer(
             "qweight", torch.zeros(packed_length(in_features, bits), out_features, dtype=torch.int32, **kw)
@@ -91,7 +91,7 @@ class QuantLinear(nn.Module):
             "qzeros", torch.zeros(groups, packed_length(out_features, bits), dtype=torch.int32, **kw)
         )
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16, **kw))
-        self.register_buffer("g_idx", torch.arange(in_features, dtype=torch.int32, **kw) // g)
+        self.register_buffer("g_idx", group_index(in_features, group_size, device))
         self.register_buffer(
             "bias", torch.zeros(out_features, dtype=torch.float16, **kw) if bias else None
         )
@@ -194,8 +194,8 @@ class QuantLinear(nn.Module):
         K = self.in_features
         g = K if self.group_size == -1 else self.group_size
         kernel_group = next((c for c in _KERNEL_GROUPS if g % c == 0 and K % c == 0), None)
-        g_idx = self.g_idx.long()
-        natural = torch.arange(K) // g
+        g_idx = self.g_idx.to(torch.int32)
+        natural = group_index(K, self.group_size, g_idx.device)
         perm = None
         if not torch.equal(g_idx, natural):
             # Act-order g_idx: sorting input channels by group makes groups contiguous again.
@@ -209,7 +209,7 @@ class QuantLinear(nn.Module):
             codes = codes[:, perm]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         # Kernel sub-group j covers sorted channels [j*kg, (j+1)*kg), all inside group j*kg // g.
-        groups = torch.arange(0, K, kernel_group) // g
+        groups = natural[::kernel_group].long()
         s = self.scales.float()[groups]  # [K/kg, N]
         z = self.zeros().t().float()[groups]
         return {"packed": packed, "group": kernel_group, "perm": perm,

@@ -1,0 +1,96 @@
+"""GPTQModel for one test, without installing it: its wheel requires a CUDA torch >= 2.14, so it
+is never a dependency of optq. The pinned packages below (GPTQModel 7.7.0 and what its import
+and transformers' GPTQ loader need) are fetched once with ``pip download --no-deps`` into the
+optq cache and unpacked into one folder, which a subprocess gets as PYTHONPATH. PyPcre has no
+wheel on PyPI: it is built with ``pip wheel --no-deps`` (a C compiler and libpcre2-8).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+PINNED = [
+    "gptqmodel==7.7.0", "optimum==2.3.0", "logbar==0.4.15", "device-smi==0.5.7", "tokenicer==0.0.14",
+    "defuser==0.0.28", "threadpoolctl==3.8.0", "dill==0.4.1",
+]
+BUILT = ["pypcre==0.6.4"]  # sdist with a C extension
+
+
+class Unavailable(Exception):
+    """The packages could not be fetched or built here (no network, no compiler)."""
+
+
+def _pip(*args: str, cwd: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900, check=False)
+    if proc.returncode:
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        raise Unavailable(f"pip {args[0]} failed: {last[0]}")
+
+
+def _unpack_sdist(archive: Path, into: Path) -> None:
+    """Copy an sdist's packages and egg-info (the version metadata transformers checks)."""
+    with tarfile.open(archive) as tar, tempfile.TemporaryDirectory(dir=into.parent) as scratch:
+        tar.extractall(scratch, filter="data")
+        (root,) = Path(scratch).iterdir()
+        for entry in root.iterdir():
+            if entry.is_dir() and entry.name != "tests" and (
+                    (entry / "__init__.py").exists() or entry.name.endswith(".egg-info")):
+                shutil.copytree(entry, into / entry.name, dirs_exist_ok=True)
+
+
+def gptqmodel_path(cache: Path) -> Path:
+    """The folder to put on PYTHONPATH (built once under ``cache``); raises Unavailable."""
+    site = cache / "gptqmodel-7.7.0" / "site"
+    if (site / ".complete").exists():
+        return site
+    work = site.parent / "download"
+    shutil.rmtree(site, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    site.mkdir(parents=True)
+    _pip("download", "--no-deps", "-d", str(work), *PINNED, cwd=work)
+    _pip("wheel", "--no-deps", "-w", str(work), *BUILT, cwd=work)
+    for f in sorted(work.iterdir()):
+        if f.suffix == ".whl":
+            with zipfile.ZipFile(f) as z:
+                z.extractall(site)
+        elif f.name.endswith(".tar.gz"):
+            _unpack_sdist(f, site)
+    missing = [m for m in ("gptqmodel", "optimum", "pcre", "logbar") if not (site / m).is_dir()]
+    if missing:
+        raise Unavailable(f"{missing} missing from {site} after unpacking {sorted(f.name for f in work.iterdir())}")
+    (site / ".complete").write_text("\n".join(PINNED + BUILT) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return site
+
+
+LOAD_SCRIPT = """
+import json, sys, torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+folder, ids_file, out_file = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu")
+with torch.no_grad():
+    logits = model(load_file(ids_file)["ids"]).logits
+kinds = sorted({type(m).__module__ + "." + type(m).__name__ for m in model.model.layers.modules()})
+save_file({"logits": logits.contiguous()}, out_file, metadata={"kinds": json.dumps(kinds)})
+"""
+
+
+def load_with_transformers(site: Path | None, folder: Path, ids_file: Path, out_file: Path) -> None:
+    """Run ``from_pretrained`` on ``folder`` in a subprocess with ``site`` first on the path."""
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(folder), str(ids_file), str(out_file)],
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode:
+        raise AssertionError(f"transformers + GPTQModel failed on {folder}:\n{proc.stderr[-3000:]}")
