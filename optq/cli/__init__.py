@@ -13,12 +13,18 @@ import importlib
 import logging
 import pkgutil
 import sys
+import traceback
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "CliError", "check_text_source"]
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2, no traceback."""
+
+
+# OSErrors that name a wrong path the user gave (exit status 2, like other input errors); other
+# OSErrors are the environment's (a full disk, no permission: exit status 1).
+_INPUT_OS_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="optq", description="GPTQ post-training weight quantization for language models."
     )
     parser.add_argument("--version", action="version", version=f"optq {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output; tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -38,15 +45,71 @@ def build_parser() -> argparse.ArgumentParser:
         register = getattr(module, "register", None)
         if register is not None:
             register(sub)
+    for command in sub.choices.values():
+        # -v also after the subcommand (optq quantize ... -v); SUPPRESS: unless given there,
+        # the subcommand leaves the value parsed before it alone.
+        if not {"-v", "--verbose"} & set(command._option_string_actions):
+            command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                 help="more log output; tracebacks of errors")
     return parser
 
 
+def check_text_source(source: str) -> None:
+    """Refuse, before any work, a --calib/--data value that is neither a corpus, a file nor hf:."""
+    from pathlib import Path
+
+    from optq.data.corpora import is_corpus_name, known_corpora
+
+    if source.startswith("hf:") or is_corpus_name(source) or Path(source).expanduser().is_file():
+        return
+    raise CliError(f"{source!r} is not a known corpus or a file; known corpora: "
+                   f"{', '.join(known_corpora())}; or give a .txt or .jsonl file, or hf:DATASET[:CONFIG]")
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    # Errors that describe bad input or a bad environment, never a bug in optq: our own error
+    # classes (CheckpointError, CorpusError, FactorizationError are ValueErrors) and the
+    # ValueErrors/OSErrors of the libraries we call. Imported here, after the fact: the error's
+    # module is already loaded, and a command that fails early need not import the zoo.
+    types: list[type[BaseException]] = [CliError, ValueError, OSError]
+    try:
+        from optq.data.zoo import ModelNotInstalledError
+
+        types.append(ModelNotInstalledError)
+    except ImportError:  # pragma: no cover - a broken install; the error is still shown
+        pass
+    return tuple(types)
+
+
+def _message(exc: BaseException) -> str:
+    """One line saying what went wrong, for ``optq: error: ...``."""
+    if isinstance(exc, OSError) and exc.strerror:
+        # "[Errno 28] No space left on device: 'out/x'" -> "out/x: No space left on device"
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        text = f"{where}{exc.strerror}"
+    elif isinstance(exc, KeyError) or not str(exc):
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        text = str(exc)
+    return " ".join(text.split())  # one line, whatever the library put in its message
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``optq`` console script and ``python -m optq``."""
+    """Entry point of the ``optq`` console script and ``python -m optq``.
+
+    Returns the exit status: 0 on success, 2 for a usage or input error (a bad flag, a missing
+    model, corpus or file, a corrupt checkpoint, ...), 1 for another error of the environment (a
+    full disk, a permission denied), 130 on Ctrl-C. Errors are printed as one ``optq: error:``
+    line, with the traceback under ``-v``; anything else is a bug and keeps its traceback.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or argparse's own usage error (printed)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    verbose = getattr(args, "verbose", 0) or 0
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
     if getattr(args, "func", None) is None:
@@ -54,9 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except CliError as exc:
-        print(f"optq: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("optq: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not isinstance(exc, _user_error_types()):
+            raise  # a bug: the traceback is what a report needs
+        if verbose:
+            traceback.print_exc()
+        print(f"optq: error: {_message(exc)}", file=sys.stderr)
+        return 1 if isinstance(exc, OSError) and not isinstance(exc, _INPUT_OS_ERRORS) else 2

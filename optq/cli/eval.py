@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
-from . import CliError
+from . import CliError, check_text_source
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,19 +45,26 @@ def run(args: argparse.Namespace) -> int:
     from optq.data.corpora import CorpusError
     from optq.data.tokens import load_tokens
     from optq.data.zoo import ModelNotInstalledError, eval_bos_id, load_model
-    from optq.eval.perplexity import perplexity_detail
+    from optq.eval.perplexity import NonFiniteLogitsError, perplexity_detail
+    from optq.pipeline.calibration import check_seqlen, max_positions
 
     corpora = [c.strip() for c in args.data.split(",") if c.strip()]
     if not corpora:
         raise CliError("--data names no corpus; e.g. --data enwiki,debref-de")
     if args.seqlen < 2 or args.windows < 0 or args.batch_size < 1:
         raise CliError("--seqlen must be >= 2, --windows >= 0 and --batch-size >= 1")
+    for name in corpora:
+        check_text_source(name)
     started = time.perf_counter()
     try:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)
     except (ModelNotInstalledError, FileNotFoundError, ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from exc
     load_s = time.perf_counter() - started
+    try:  # before any text is read: the same check as optq quantize's
+        check_seqlen(args.seqlen, max_positions(model))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if args.bos == "auto":
         bos_id = eval_bos_id(args.model, tokenizer, getattr(model, "config", None))
     elif args.bos == "yes":
@@ -76,8 +84,14 @@ def run(args: argparse.Namespace) -> int:
             result = perplexity_detail(model, tokens, seqlen=args.seqlen, windows=args.windows or None,
                                        bos_id=bos_id, batch_size=args.batch_size,
                                        progress=not args.no_progress, device=args.device)
+        except NonFiniteLogitsError as exc:
+            what = "NaN" if math.isnan(exc.value) else "infinite"
+            raise CliError(f"perplexity on {name} is {what}: {exc}") from exc
         except ValueError as exc:
             raise CliError(f"{name}: {exc}") from exc
+        if not math.isfinite(result.perplexity):
+            raise CliError(f"perplexity on {name} is {result.perplexity}: the mean NLL of "
+                           f"{result.mean_nll:.4g} nats overflows; the checkpoint may be corrupt")
         rows.append({"corpus": name, "part": args.part, "text_tokens": int(tokens.numel()),
                      **result.to_dict(), "seconds": round(time.perf_counter() - t0, 2)})
     print(f"model {args.model}   seqlen {args.seqlen}   BOS per window: {'yes' if bos_id is not None else 'no'}")

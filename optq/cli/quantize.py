@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from . import CliError
+from . import CliError, check_text_source
 
 __all__ = ["register", "run", "config_from_args"]
 
 DEFAULT_CALIB = "enwiki"
-REPORT_FILES = ("report.json", "quantization_report.json")  # ours; the checkpoint writer's
+BITS = (2, 3, 4, 8)  # the code widths the checkpoint formats pack
 
 
 def register(subparsers: Any) -> None:
@@ -23,12 +23,12 @@ def register(subparsers: Any) -> None:
         "quantize",
         help="quantize a causal LM with GPTQ and write it with its report",
         description="Quantize the linear layers of a causal LM's decoder blocks with GPTQ, one "
-        "block at a time, and write the quantized model and report.json to OUT.",
+        "block at a time, and write the quantized model and its quantization_report.json to OUT.",
     )
     p.add_argument("model", metavar="MODEL", help="hub id, local folder, .gguf file or built-in name")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
     g = p.add_argument_group("quantization (one flag per QuantConfig field)")
-    g.add_argument("--bits", type=int, default=4, help="code width, 2..8 (default 4)")
+    g.add_argument("--bits", type=int, choices=BITS, default=4, help="code width (default 4)")
     g.add_argument("--group-size", type=int, default=128,
                    help="input channels per scale/zero; -1 = per output channel (default 128)")
     sym = g.add_mutually_exclusive_group()
@@ -109,17 +109,46 @@ def _calibration_tokens(source: str, tokenizer: Any) -> Any:
         raise CliError(f"cannot read calibration data {source!r}: {exc}") from None
 
 
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an output folder that could not be written at the end of the run.
+
+    ``out`` must be a folder or not exist (then its nearest existing ancestor must be a folder
+    where a folder can be created: probed by creating and removing an empty one).
+    """
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise CliError(f"output {out} is a file, not a folder; choose another -o")
+        if not overwrite:
+            raise CliError(f"output folder {out} exists; pass --overwrite to replace it")
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CliError(f"cannot create output folder {out}: {parent} is a file, not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise CliError(f"cannot create output folder {out}: no folder can be created in {parent} ({why})") from None
+    os.rmdir(probe)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     out = Path(args.output)
-    if out.exists() and not args.overwrite:
-        raise CliError(f"output folder {out} exists; pass --overwrite to replace it")
     config = config_from_args(args)
+    check_output(out, args.overwrite)
+    check_text_source(args.calib)
+    from optq.pipeline.calibration import check_seqlen, max_positions
     from optq.pipeline.loop import quantize
 
     t0 = time.perf_counter()
     model, tokenizer = _load_model(args.model)
     load_s = time.perf_counter() - t0
+    try:  # before the calibration text is read and tokenized
+        check_seqlen(args.seqlen, max_positions(model))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     tokens = _calibration_tokens(args.calib, tokenizer)
     try:
         report = quantize(
@@ -138,29 +167,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(out: Path, model: Any, tokenizer: Any, report: Any, *, overwrite: bool) -> None:
-    # Written under a hidden temporary name and renamed at the end: an interrupted or failed run
-    # leaves no folder that looks like a finished model.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        from optq.formats.checkpoint import save
+    # The checkpoint writer fills a hidden folder beside OUT and gives it OUT's name only at the
+    # end (optq.formats.files.atomic_folder): an interrupted or failed run leaves nothing that
+    # looks like a finished model, and --overwrite leaves no copy of the old one behind.
+    from optq.formats.checkpoint import save
 
-        save(model, tmp, solutions=report.solutions, tokenizer=tokenizer, report=report)
-        if not any((tmp / n).exists() for n in REPORT_FILES):
-            report.save_json(tmp / REPORT_FILES[0])
-        old = None
-        if out.exists():
-            if not overwrite:
-                raise CliError(f"output folder {out} appeared meanwhile; pass --overwrite to replace it")
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    try:
+        save(model, out, solutions=report.solutions, tokenizer=tokenizer, report=report,
+             overwrite=overwrite)
+    except FileExistsError:
+        raise CliError(f"output folder {out} appeared meanwhile; pass --overwrite to replace it") from None
+    except OSError as exc:  # a full disk, a lost permission: named by OUT, not the hidden folder
+        if exc.strerror is None:
+            raise
+        raise OSError(exc.errno, f"cannot write the quantized model: {exc.strerror}", str(out)) from exc
 
 
 def summary(report: Any) -> str:
@@ -168,16 +188,20 @@ def summary(report: Any) -> str:
     kinds: dict[str, list[Any]] = {}
     for name, row in report.layers.items():
         kinds.setdefault(".".join(name.split(".")[-2:]), []).append(row)
-    head = f"{'layer':<22}{'count':>6}{'objective':>12}{'rtn':>12}{'obj/rtn':>9}{'worst':>8}{'rel err':>10}"
+    head = (f"{'layer':<22}{'count':>6}{'objective':>12}{'rtn':>12}{'obj/rtn':>9}{'worst':>8}"
+            f"{'rel err':>10}{'out/rtn':>9}")
     lines = [head, "-" * len(head)]
     for kind, rows in kinds.items():
         ratios = [r.objective / r.rtn_objective for r in rows if r.rtn_objective > 0]
         mean = sum(ratios) / len(ratios) if ratios else float("nan")
         worst = max(ratios, default=float("nan"))
+        outs = [r.output_error / r.rtn_output_error for r in rows
+                if r.output_error is not None and r.rtn_output_error]
         lines.append(
             f"{kind:<22}{len(rows):>6}{sum(r.objective for r in rows) / len(rows):>12.4g}"
             f"{sum(r.rtn_objective for r in rows) / len(rows):>12.4g}{mean:>9.3f}{worst:>8.3f}"
             f"{sum(r.relative_error for r in rows) / len(rows):>10.2e}"
+            f"{sum(outs) / len(outs) if outs else float('nan'):>9.3f}"
         )
     t = report.totals
     ratio = t["mean_objective_ratio"]
@@ -189,6 +213,9 @@ def summary(report: Any) -> str:
     )
     lines.append(f"layers worse than round-to-nearest: {t['layers_worse_than_rtn']}; "
                  f"quantize time {report.seconds:.1f} s")
+    if report.config.get("normalize_tokens"):
+        lines.append("objective: on unit-RMS tokens (what GPTQ minimised); out/rtn: plain output "
+                     "error |ΔWx|² against round-to-nearest's, on a sample of the tokens")
     for name, why in {**report.skipped, **report.fallbacks}.items():
         lines.append(f"note: {name}: {why}")
     return "\n".join(lines)

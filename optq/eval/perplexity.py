@@ -26,8 +26,21 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from optq.data.tokens import eval_windows
+from optq.pipeline.calibration import check_seqlen, max_positions
 
-__all__ = ["perplexity", "perplexity_detail", "PerplexityResult"]
+__all__ = ["perplexity", "perplexity_detail", "PerplexityResult", "NonFiniteLogitsError"]
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits held NaN or infinite values: no perplexity exists.
+
+    ``value`` is the offending window batch's NLL (nan or inf), ``window`` its first window.
+    """
+
+    def __init__(self, message: str, *, value: float = math.nan, window: int = 0) -> None:
+        super().__init__(message)
+        self.value = value
+        self.window = window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +97,7 @@ def perplexity_detail(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: i
     n_windows, length = batches.shape
     if length < 2:
         raise ValueError(f"windows need at least 2 tokens, got {length}")
+    check_seqlen(length, max_positions(model))
     device = torch.device(device) if device is not None else _device_of(model)
     was_training = model.training
     model.eval()
@@ -99,12 +113,27 @@ def perplexity_detail(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: i
                 batch[:, 1:].reshape(-1),
                 reduction="sum",
             )
-            nll_sum += float(nll)
+            value = float(nll)
+            if not math.isfinite(value):
+                # A NaN/Inf logit poisons the mean: stop at the first such batch.
+                raise NonFiniteLogitsError(
+                    f"the model produced non-finite logits (NaN/Inf) in {_windows(start, batch, n_windows)}; "
+                    "the checkpoint may be corrupt", value=value, window=start)
+            nll_sum += value
     finally:
         model.train(was_training)
     count = n_windows * (length - 1)
-    return PerplexityResult(perplexity=math.exp(nll_sum / count), nll_sum=nll_sum, tokens=count,
+    try:
+        ppl = math.exp(nll_sum / count)
+    except OverflowError:  # finite logits, but a mean NLL above ~709 nats
+        ppl = math.inf
+    return PerplexityResult(perplexity=ppl, nll_sum=nll_sum, tokens=count,
                             windows=n_windows, seqlen=length, bos_id=bos_id)
+
+
+def _windows(start: int, batch: torch.Tensor, total: int) -> str:
+    last = start + batch.shape[0]
+    return f"window {last} of {total}" if last == start + 1 else f"windows {start + 1}..{last} of {total}"
 
 
 def perplexity(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 512,
@@ -118,6 +147,10 @@ def perplexity(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 51
     context only). The model runs in eval mode under no_grad with ``use_cache=False``; any
     module taking ``input_ids=`` and returning logits ``[B, L, V]`` (or an object with
     ``.logits``) works. ``device`` defaults to the model's.
+
+    Raises ValueError up front for windows longer than the model's positions
+    (``config.max_position_embeddings``), and :class:`NonFiniteLogitsError` (a ValueError) as
+    soon as a batch's logits hold NaN or Inf.
     """
     return perplexity_detail(model, tokens, seqlen=seqlen, windows=windows, bos_id=bos_id,
                              batch_size=batch_size, progress=progress, device=device).perplexity

@@ -6,9 +6,10 @@ data-parallel calibration) and how the block is run are each in one place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -16,9 +17,9 @@ from torch import nn
 
 from optq.core import solver
 from optq.core.config import QuantConfig
-from optq.core.hessian import Hessian
 from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline import capture, memory
+from optq.pipeline.hessians import LayerHessians
 from optq.pipeline.memo import Memo
 from optq.pipeline.report import LayerReport, Report
 from optq.pipeline.stepper import PausedForwards
@@ -56,13 +57,14 @@ def quantize_block(
         report.skipped[name] = "never called in the block's forward on calibration data"
         log.warning("%s is never called by its block; left unquantized", name)
 
-    def solve(k: int, subset: list[str], hess: Hessian, t0: float) -> None:
+    def solve(k: int, subset: list[str], hess: LayerHessians, t0: float) -> None:
         _solve_subset(linears, subset, k, hess, config, opts["method"], report, t0)
         bar.set_postfix_str(_postfix(report, subset), refresh=False)
 
-    def new_hessian(subset: list[str]) -> Hessian:
+    def new_hessian(subset: list[str]) -> LayerHessians:
         first = linears[subset[0]]
-        return Hessian(_in_features(first), device=first.weight.device, normalize_tokens=config.normalize_tokens)
+        return LayerHessians(_in_features(first), device=first.weight.device,
+                             normalize_tokens=config.normalize_tokens)
 
     if opts["strategy"] == "replay" or plan.repeated:
         if plan.repeated and opts["strategy"] != "replay":
@@ -73,7 +75,7 @@ def quantize_block(
         for k, subset in enumerate(plan.subsets):
             t0 = time.perf_counter()
             hess = new_hessian(subset)
-            with memo.replay_pass() as at_batch:
+            with _context(prefix, subset), memo.replay_pass() as at_batch:
                 capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
                                         before_batch=at_batch)
             release()
@@ -92,13 +94,25 @@ def quantize_block(
         for k, subset in enumerate(plan.subsets):
             t0 = time.perf_counter()
             hess = new_hessian(subset)
-            paused.advance(k, hess)
+            with _context(prefix, subset):
+                paused.advance(k, hess)
             solve(k, subset, hess, t0)
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
         # computed from partly quantized layers, are not what propagates.
         outputs = original if original is not None else paused.finish()
         for b, out in enumerate(outputs):
             _keep(hidden, b, out)
+
+
+@contextlib.contextmanager
+def _context(prefix: str, subset: Sequence[str]) -> Iterator[None]:
+    # Hessian.update refuses non-finite inputs without knowing whose they are: name the block
+    # and the layers whose input it was.
+    try:
+        yield
+    except ValueError as exc:
+        names = ", ".join(n[len(prefix) + 1 :] if n.startswith(prefix + ".") else n for n in subset)
+        raise ValueError(f"{prefix}: the input of {names}: {exc}") from exc
 
 
 def _forward_in_place(block: nn.Module, hidden: list[torch.Tensor], calls: list[capture.Call],
@@ -138,7 +152,7 @@ def _solve_subset(
     linears: dict[str, nn.Module],
     subset: list[str],
     index: int,
-    hess: Hessian,
+    hess: LayerHessians,
     config: QuantConfig,
     method: str,
     report: Report,
@@ -171,11 +185,19 @@ def _solve_subset(
     objs = _row_objectives(W, sol.weight, H)
     rtn_objs = objs if method == "rtn" else _row_objectives(W, rtn_W, H)
     energy = _row_objectives(W, None, H)
+    H_plain = hess.plain_matrix()
+    if H_plain is None:  # tokens not normalised: the objective is the output error
+        outs, rtn_outs = objs, rtn_objs
+    else:
+        outs = _row_objectives(W, sol.weight, H_plain)
+        rtn_outs = outs if method == "rtn" else _row_objectives(W, rtn_W, H_plain)
+        del H_plain
     row = 0
     for name, mod, w in zip(subset, mods, weights):
         n = w.shape[0]
         part = _rows(sol, row, row + n)
-        obj, rtn_obj, e = (float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy))
+        obj, rtn_obj, e, out, rtn_out = (
+            float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs))
         row += n
         if method == "gptq":
             part.loss = obj
@@ -187,6 +209,9 @@ def _solve_subset(
             objective=obj,
             rtn_objective=rtn_obj,
             relative_error=obj / e if e > 0 else 0.0,
+            output_error=out,
+            rtn_output_error=rtn_out,
+            output_tokens=hess.plain_count,
             seconds=seconds * n / W.shape[0],
             subset=index,
         )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["calibration_samples", "make_batches"]
+__all__ = ["calibration_samples", "make_batches", "max_positions", "check_seqlen"]
 
 DEFAULT_NSAMPLES = 128
 DEFAULT_SEQLEN = 512
@@ -42,6 +42,19 @@ def _check_range(name: str, value: int | None, high: int, what: str) -> None:
         raise ValueError(f"{name}={value!r} is out of range: {what} allow 1..{high}")
 
 
+def max_positions(model: Any) -> int | None:
+    """The longest sequence ``model`` takes (its config's ``max_position_embeddings``), or None."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_seqlen(seqlen: int | None, limit: int | None) -> None:
+    """Refuse windows longer than the model's ``limit`` positions (see ``max_positions``), up
+    front: ``optq.quantize``, ``optq.perplexity`` and the command line share this one check."""
+    if limit is not None:
+        _check_range("seqlen", seqlen, limit, "the model's positions")
+
+
 def calibration_samples(
     calibration: Any,
     *,
@@ -61,8 +74,7 @@ def calibration_samples(
     for name, value in (("nsamples", nsamples), ("seqlen", seqlen)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r} is out of range: give a positive integer")
-    if max_positions is not None:
-        _check_range("seqlen", seqlen, max_positions, "the model's positions")
+    check_seqlen(seqlen, max_positions)
     if isinstance(calibration, str) or (
         isinstance(calibration, Sequence) and calibration and all(isinstance(t, str) for t in calibration)
     ):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from optq.core.hessian import Hessian
+from optq.pipeline.hessians import LayerHessians
 
 __all__ = ["Call", "Plan", "capture_inputs", "run_block", "discover_subsets", "collect_hessian"]
 
@@ -219,7 +220,7 @@ def collect_hessian(
     order: Sequence[str],
     hidden: Sequence[torch.Tensor],
     calls: Sequence[Call],
-    hessian: Hessian,
+    hessian: Hessian | LayerHessians,
     *,
     before_batch: Callable[[int], None] | None = None,
 ) -> None:

@@ -43,7 +43,7 @@ from optq.core.config import QuantConfig
 from optq.formats.linears import find_linears, get_weight
 from optq.pipeline import capture
 from optq.pipeline.block import quantize_block
-from optq.pipeline.calibration import calibration_samples, make_batches
+from optq.pipeline.calibration import calibration_samples, make_batches, max_positions
 from optq.pipeline.discovery import find_blocks, select_names
 from optq.pipeline.report import Report
 
@@ -127,7 +127,7 @@ def quantize(
     targets = set(select_names(list(all_linears), include, exclude))
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
-    cfg = getattr(model, "config", None)
+    check_finite_weights({n: m for n, m in all_linears.items() if n in targets})
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     samples = calibration_samples(
         calibration,
@@ -136,7 +136,7 @@ def quantize(
         seqlen=seqlen,
         seed=seed,
         vocab_size=getattr(emb, "num_embeddings", None),
-        max_positions=getattr(cfg, "max_position_embeddings", None),
+        max_positions=max_positions(model),
     )
     batches = make_batches(samples, batch_size)
     home = next(blocks[0].parameters()).device
@@ -156,6 +156,9 @@ def quantize(
         "seed": seed,
         "batch_size": batch_size,
         "device": str(device),
+        # Float summation order, hence the last bits of the weights, can depend on it: the same
+        # bytes are promised for the same inputs, seed, versions and thread count.
+        "num_threads": torch.get_num_threads(),
         "include": include,
         "exclude": exclude,
         "blocks": blocks_name,
@@ -171,6 +174,10 @@ def quantize(
             hidden, calls = capture.capture_inputs(model, blocks, batches, device)
             _loop(blocks_name, blocks, hidden, calls, targets, config, {**options, "device": device},
                   progress, report)
+    except ValueError as exc:
+        # Found inside the loop (non-finite activations, a Hessian that cannot be factorised):
+        # say what state the model is left in, since it is quantized in place.
+        raise _with_state(exc, _state(report, len(targets))) from exc
     finally:
         model.train(was_training)
     report.seconds = time.perf_counter() - start
@@ -209,6 +216,41 @@ def _loop(
             bar.update(1)
     finally:
         bar.close()
+
+
+def check_finite_weights(linears: dict[str, nn.Module]) -> None:
+    """Raise ValueError naming the first weight holding a NaN or an infinity.
+
+    Run on every layer to quantize before any weight changes (one min/max reduction per
+    weight): a bad value found later, in a Hessian or the solver, would leave the model
+    half-quantized.
+    """
+    for name, module in linears.items():
+        w = get_weight(module).detach()
+        if w.is_meta or w.numel() == 0:
+            continue
+        low, high = torch.aminmax(w)  # a NaN propagates to both, an infinity to one
+        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+            raise ValueError(
+                f"{name}.weight has NaN/Inf values; the model is unchanged (is the checkpoint "
+                "corrupt? load it again or convert it anew)"
+            )
+
+
+def _with_state(exc: ValueError, state: str) -> ValueError:
+    # The same type (a FactorizationError stays one) when it can be built from a message.
+    try:
+        return type(exc)(f"{exc}; {state}")
+    except Exception:
+        return ValueError(f"{exc}; {state}")
+
+
+def _state(report: Report, targets: int) -> str:
+    done = len(report.layers)
+    if done == 0:
+        return "no weight was changed"
+    return (f"the model is left partly quantized ({done} of {targets} layers, up to "
+            f"{list(report.layers)[-1]}): load it again before using it")
 
 
 def _settle_solutions(prefix: str, block: nn.Module, home: torch.device, report: Report) -> None:

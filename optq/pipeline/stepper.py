@@ -25,6 +25,7 @@ from torch import nn
 
 from optq.core.hessian import Hessian
 from optq.pipeline.capture import Call, run_block
+from optq.pipeline.hessians import LayerHessians
 
 __all__ = ["PausedForwards"]
 
@@ -108,7 +109,7 @@ class PausedForwards:
         self.release = release
         self.done = threading.Semaphore(0)
         self.current: _Worker | None = None
-        self.hessian: Hessian | None = None
+        self.hessian: Hessian | LayerHessians | None = None
         self.stop_index = {id(m): j for j, m in enumerate(stops)}
         self.thread_state = _thread_state()
         self.handles = [m.register_forward_pre_hook(self._hook) for m in stops]
@@ -147,7 +148,7 @@ class PausedForwards:
         if w.error is not None:
             raise w.error
 
-    def advance(self, j: int, hessian: Hessian) -> None:
+    def advance(self, j: int, hessian: Hessian | LayerHessians) -> None:
         """Run every batch to its pause at ``stops[j]``, accumulating the input into ``hessian``."""
         self.hessian = hessian
         try:

