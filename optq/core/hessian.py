@@ -66,8 +66,8 @@ class Hessian:
             bad = int((~torch.isfinite(raw)).sum())
             what = f"{bad} NaN/Inf values (of {raw.numel()})" if bad else "values too large to sum"
             raise ValueError(
-                f"calibration input contains {what}; the model overflows on this data: check "
-                "its dtype (use float32) and the inputs"
+                f"calibration input contains {what}: a NaN/Inf weight upstream, a dtype that "
+                "overflows on this data (use float32) or bad inputs"
             )
         if self.normalize_tokens:
             # Every token at unit RMS: each weighs the same in the objective, instead of in
