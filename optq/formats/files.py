@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "CheckpointError", "parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder",
+    "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder",
     "atomic_write", "write_json",
 ]
 
@@ -237,16 +237,28 @@ def atomic_folder(target: Path, overwrite: bool) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _set_modes(tmp)
-        if not target.exists():
-            if not _renameat2(tmp, target, _RENAME_NOREPLACE):
-                tmp.rename(target)
-        elif not overwrite:
-            raise FileExistsError(f"{target} appeared while writing; pass overwrite=True or choose another folder")
-        elif not _renameat2(tmp, target, _RENAME_EXCHANGE):
-            _replace_by_renames(tmp, target)
+        move_into_place(tmp, target, overwrite)
     finally:
         _remove(tmp)  # the failed write, or the old content after an exchange
+
+
+def move_into_place(folder: Path, target: Path, overwrite: bool) -> None:
+    """Make the finished ``folder`` become ``target`` (files 0644, folders 0755).
+
+    A new ``target`` is a plain rename that never clobbers one appearing meanwhile; with
+    ``overwrite`` an existing ``target`` is exchanged with ``folder`` in one step where Linux
+    allows it (the old content is then at ``folder``'s path: the caller removes it), else
+    replaced by two renames as in :func:`atomic_folder`.
+    """
+    folder, target = Path(folder), Path(target)
+    _set_modes(folder)
+    if not target.exists():
+        if not _renameat2(folder, target, _RENAME_NOREPLACE):
+            folder.rename(target)
+    elif not overwrite:
+        raise FileExistsError(f"{target} appeared while writing; pass overwrite=True or choose another folder")
+    elif not _renameat2(folder, target, _RENAME_EXCHANGE):
+        _replace_by_renames(folder, target)
 
 
 def _replace_by_renames(tmp: Path, target: Path) -> None:
