@@ -13,7 +13,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 __all__ = [
-    "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_index", "read_tensors", "atomic_folder",
-    "atomic_write", "write_json",
+    "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_header", "read_index", "read_tensors", "atomic_folder",
+    "atomic_write", "write_json", "write_safetensors_lazily",
 ]
 
 
@@ -57,27 +57,36 @@ def write_json(path: Path, obj: Any) -> None:
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | str) -> list[str]:
     """Write ``tensors`` as one file or as shards plus index; returns the file names written."""
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    return write_safetensors_lazily(folder, sizes, tensors.__getitem__, max_shard_size)
+
+
+def write_safetensors_lazily(folder: Path, sizes: Mapping[str, int], fetch: Callable[[str], torch.Tensor],
+                             max_shard_size: int | str) -> list[str]:
+    """Like :func:`write_safetensors`, holding one shard in memory at a time.
+
+    ``sizes``: tensor name -> bytes, in the order to write; ``fetch(name)`` gives the tensor when
+    its shard is written. The same names and sizes give the same files as ``write_safetensors``.
+    """
     limit = parse_size(max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > limit:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append(name)
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE), metadata=meta)
+        save_file({n: fetch(n) for n in shards[0]}, str(folder / SINGLE), metadata=meta)
         return [SINGLE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for fname, shard in zip(names, shards):
-        save_file(shard, str(folder / fname), metadata=meta)
+        save_file({n: fetch(n) for n in shard}, str(folder / fname), metadata=meta)
         weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(folder / INDEX, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
     return [*names, INDEX]
 
 
@@ -114,16 +123,23 @@ def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtyp
         path = folder / fname
         if not path.is_file():
             raise CheckpointError(f"{folder / INDEX} names {fname}, which is missing; re-save or re-download it")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    dtype = _DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
-                    out[name] = (fname, tuple(sl.get_shape()), dtype)
-        except SafetensorError as exc:
-            raise _corrupt(path, exc) from None
+        out.update({name: (fname, shape, dtype) for name, (shape, dtype) in read_header(path).items()})
+    return out
+
+
+def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """tensor name -> (shape, dtype) of one safetensors file, from its header only."""
+    out = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                dtype = _DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
+                out[name] = (tuple(sl.get_shape()), dtype)
+    except SafetensorError as exc:
+        raise _corrupt(path, exc) from None
     return out
 
 

@@ -18,7 +18,7 @@ from optq.formats.qlinear import QuantLinear
 if TYPE_CHECKING:
     from optq.core.solver import Solution
 
-__all__ = ["CheckpointError", "quantized_layers", "gptq_config", "check_gptq_config"]
+__all__ = ["CheckpointError", "quantized_layers", "gptq_config", "describe_gptq", "is_natural", "check_gptq_config"]
 
 
 def quantized_layers(
@@ -69,34 +69,52 @@ def _convert(name: str, layer: QuantLinear, fmt: str) -> QuantLinear:
 
 def gptq_config(layers: Mapping[str, QuantLinear], checkpoint_format: str) -> dict[str, Any]:
     """The ``quantization_config`` object the spec describes, inferred from the layers."""
-    from optq import __version__
-
     first = next(iter(layers.values()))
     configs = [q.quant_config for q in layers.values() if q.quant_config is not None]
     half = 1 << (first.bits - 1)
     sym = all(c.sym for c in configs) if configs else all(
         bool((q.zeros() == half).all()) for q in layers.values())
-    natural = all(_is_natural(q) for q in layers.values())
-    # desc_act tells loaders to reorder by g_idx; act-order with static groups keeps g_idx = k // g,
-    # so such a file is written as plain (no reordering, vLLM's fast kernels take it as is).
-    desc_act = not natural
+    natural = all(is_natural(q) for q in layers.values())
+    return describe_gptq(
+        bits=first.bits,
+        group_size=first.group_size,
+        sym=sym,
+        natural=natural,
+        static_groups=any(c.static_groups for c in configs),
+        damp=configs[0].damp if configs else 0.01,
+        checkpoint_format=checkpoint_format,
+        lm_head=any(n == "lm_head" or n.endswith(".lm_head") for n in layers),
+    )
+
+
+def describe_gptq(*, bits: int, group_size: int, sym: bool, natural: bool, static_groups: bool, damp: float,
+                  checkpoint_format: str, lm_head: bool = False) -> dict[str, Any]:
+    """The ``quantization_config`` of a GPTQ checkpoint with these settings.
+
+    ``natural``: every layer's g_idx is k // group_size. desc_act tells loaders to reorder by
+    g_idx; act-order with static groups keeps g_idx natural, so such a file is written as plain
+    (no reordering; vLLM's fast kernels take it as is).
+    """
+    from optq import __version__
+
     return {
         "quant_method": "gptq",
-        "bits": first.bits,
-        "group_size": first.group_size,
-        "desc_act": desc_act,
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": not natural,
         "sym": sym,
-        "static_groups": any(c.static_groups for c in configs),
+        "static_groups": static_groups,
         "true_sequential": True,
-        "damp_percent": configs[0].damp if configs else 0.01,
+        "damp_percent": damp,
         "checkpoint_format": checkpoint_format,
-        "lm_head": any(n == "lm_head" or n.endswith(".lm_head") for n in layers),
+        "lm_head": lm_head,
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"optq:{__version__}"]},
     }
 
 
-def _is_natural(q: QuantLinear) -> bool:
+def is_natural(q: QuantLinear) -> bool:
+    """Whether the layer's g_idx is the natural k // group_size (no reordering needed)."""
     return torch.equal(q.g_idx.to(torch.int32), group_index(q.in_features, q.group_size, q.g_idx.device))
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,64 +108,15 @@ def quantize(
             batches' intermediate tensors stay alive: several times the activations). Both
             give the same weights.
     """
-    if propagate not in PROPAGATE:
-        raise ValueError(f"propagate={propagate!r} is not one of {PROPAGATE}")
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is not one of {METHODS}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
-    if not isinstance(config, QuantConfig):
-        raise TypeError(f"config must be an optq.QuantConfig, not {type(config).__name__}")
     start = time.perf_counter()
-    blocks_name, blocks = find_blocks(model)
-    all_linears = {
-        name: lin
-        for i, blk in enumerate(blocks)
-        for name, lin in find_linears(blk, f"{blocks_name}.{i}").items()
-    }
-    if not all_linears:
-        raise ValueError(f"{type(model).__name__} has no linear layers in its decoder blocks")
-    targets = set(select_names(list(all_linears), include, exclude))
-    if not targets:
-        raise ValueError("include/exclude left no linear layer to quantize")
-    check_finite_weights({n: m for n, m in all_linears.items() if n in targets})
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    samples = calibration_samples(
-        calibration,
-        tokenizer=tokenizer,
-        nsamples=nsamples,
-        seqlen=seqlen,
-        seed=seed,
-        vocab_size=getattr(emb, "num_embeddings", None),
-        max_positions=max_positions(model),
-    )
-    batches = make_batches(samples, batch_size)
-    home = next(blocks[0].parameters()).device
-    try:
-        device = torch.device(device) if device is not None else home
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r} is not a torch device ({exc}); use e.g. 'cpu' or 'cuda'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r} asked, but this torch has no usable CUDA; use 'cpu'")
-    options = {
-        "method": method,
-        "propagate": propagate,
-        "strategy": strategy,
-        "nsamples": len(samples),
-        "seqlen": max(s.numel() for s in samples),
-        "tokens": sum(s.numel() for s in samples),
-        "seed": seed,
-        "batch_size": batch_size,
-        "device": str(device),
-        # Float summation order, hence the last bits of the weights, can depend on it: the same
-        # bytes are promised for the same inputs, seed, versions and thread count.
-        "num_threads": torch.get_num_threads(),
-        "include": include,
-        "exclude": exclude,
-        "blocks": blocks_name,
-    }
+    run = prepare(model, calibration, config, propagate=propagate, tokenizer=tokenizer, nsamples=nsamples,
+                  seqlen=seqlen, seed=seed, include=include, exclude=exclude, device=device,
+                  batch_size=batch_size, method=method, strategy=strategy)
+    check_finite_weights({n: m for n, m in run.linears.items() if n in run.targets})
+    blocks_name, blocks, targets, batches, device, options = (
+        run.blocks_name, run.blocks, run.targets, run.batches, run.device, run.options)
     log.info("quantizing %d linears in %d blocks of %s on %d x %d tokens (%s, %s)",
-             len(targets), len(blocks), blocks_name, len(samples), options["seqlen"], method, propagate)
+             len(targets), len(blocks), blocks_name, options["nsamples"], options["seqlen"], method, propagate)
     was_training = model.training
     model.eval()
     report = Report(layers={}, config=config.to_dict(), options=options, versions=_versions(),
@@ -186,6 +138,82 @@ def quantize(
     log.info("done in %.1f s: %d layers, mean objective ratio to round-to-nearest %s",
              report.seconds, t["layers"], "n/a" if ratio is None else f"{ratio:.4f}")
     return report
+
+
+@dataclass
+class Run:
+    """What a run works on, checked and derived from the arguments (see :func:`prepare`)."""
+
+    blocks_name: str
+    blocks: nn.ModuleList
+    linears: dict[str, nn.Module]
+    targets: set[str]
+    batches: list[torch.Tensor]
+    device: torch.device
+    options: dict[str, Any]
+
+
+def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagate: str, tokenizer: Any,
+            nsamples: int | None, seqlen: int | None, seed: int, include: Any, exclude: Any,
+            device: torch.device | str | None, batch_size: int, method: str, strategy: str) -> Run:
+    """Check the arguments of a run and derive its blocks, targets, batches, device and options
+    (shared by ``optq.quantize`` and the streaming ``quantize_pretrained``; the model may be on
+    the meta device). Raises ValueError/TypeError before any work."""
+    if propagate not in PROPAGATE:
+        raise ValueError(f"propagate={propagate!r} is not one of {PROPAGATE}")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not one of {METHODS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be an optq.QuantConfig, not {type(config).__name__}")
+    blocks_name, blocks = find_blocks(model)
+    all_linears = {
+        name: lin
+        for i, blk in enumerate(blocks)
+        for name, lin in find_linears(blk, f"{blocks_name}.{i}").items()
+    }
+    if not all_linears:
+        raise ValueError(f"{type(model).__name__} has no linear layers in its decoder blocks")
+    targets = set(select_names(list(all_linears), include, exclude))
+    if not targets:
+        raise ValueError("include/exclude left no linear layer to quantize")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    samples = calibration_samples(
+        calibration,
+        tokenizer=tokenizer,
+        nsamples=nsamples,
+        seqlen=seqlen,
+        seed=seed,
+        vocab_size=getattr(emb, "num_embeddings", None),
+        max_positions=max_positions(model),
+    )
+    batches = make_batches(samples, batch_size)
+    home = next(blocks[0].parameters()).device
+    try:
+        device = torch.device(device) if device is not None else (home if home.type != "meta" else torch.device("cpu"))
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}); use e.g. 'cpu' or 'cuda'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} asked, but this torch has no usable CUDA; use 'cpu'")
+    options = {
+        "method": method,
+        "propagate": propagate,
+        "strategy": strategy,
+        "nsamples": len(samples),
+        "seqlen": max(s.numel() for s in samples),
+        "tokens": sum(s.numel() for s in samples),
+        "seed": seed,
+        "batch_size": batch_size,
+        "device": str(device),
+        # Float summation order, hence the last bits of the weights, can depend on it: the same
+        # bytes are promised for the same inputs, seed, versions and thread count.
+        "num_threads": torch.get_num_threads(),
+        "include": include,
+        "exclude": exclude,
+        "blocks": blocks_name,
+    }
+    return Run(blocks_name, blocks, all_linears, targets, batches, device, options)
 
 
 def _loop(

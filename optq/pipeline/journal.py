@@ -1,0 +1,181 @@
+"""The resume journal of a streaming run: ``OUT.partial/`` until the checkpoint is complete.
+
+Layout of ``OUT.partial/`` while a run is going on::
+
+    manifest.json            what the run is: hashes of the source, calibration and settings
+    state.json               how far it got: blocks done, their report rows, the activations file
+    blocks/00000.safetensors the packed tensors of each finished block
+    activations-00007.safetensors   the hidden states entering the next block (block 7 here)
+
+Every file is written to a temporary name and renamed, and ``state.json`` is renamed last, so a
+run killed at any moment leaves a journal whose state names only complete files: ``--resume``
+redoes at most the block that was running. When the last block is done the final shards are
+assembled inside the folder, the journal files are removed and the folder is renamed to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from optq.formats.files import atomic_write, move_into_place
+
+__all__ = ["Journal", "JournalError", "partial_path", "tensor_digest"]
+
+log = logging.getLogger("optq.pipeline")
+
+MANIFEST = "manifest.json"
+STATE = "state.json"
+BLOCKS = "blocks"
+
+
+class JournalError(ValueError):
+    """The partial output cannot be used: it belongs to another run, or nothing can be written."""
+
+
+def partial_path(out: str | Path) -> Path:
+    """Where a streaming run writes before its output is complete."""
+    out = Path(out)
+    return out.parent / f"{out.name}.partial"
+
+
+def tensor_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 over the dtypes, shapes and bytes of ``tensors`` (the calibration samples)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+@contextmanager
+def _writing(what: Path) -> Iterator[None]:
+    # A full disk or a read-only folder ends the run, with the journal as it was before this
+    # write: the partial folder stays resumable.
+    try:
+        yield
+    except OSError as exc:
+        hint = ("the disk is full: free space, then rerun with --resume"
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that, then rerun with --resume")
+        raise JournalError(f"cannot write {what} ({exc.strerror or exc}); {hint}") from exc
+
+
+class Journal:
+    """Opens (or resumes) ``OUT.partial/`` for a run described by ``manifest``.
+
+    ``manifest`` maps a part of the run ("source", "calibration", "config", "options") to a
+    JSON-able value or digest; resuming a journal whose manifest differs names the parts.
+    """
+
+    def __init__(self, out: str | Path, manifest: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
+        self.out = Path(out)
+        self.folder = partial_path(self.out)
+        self.manifest = json.loads(_json(manifest))  # what it reads back as, for comparisons
+        self.overwrite = overwrite
+        self.state: dict[str, Any] = {"done": 0, "activations": None, "report": None}
+        if self.out.exists() and not overwrite:
+            raise JournalError(f"{self.out} already exists; pass --overwrite (overwrite=True) or choose another folder")
+        if self.folder.exists():
+            if resume:
+                self._open_existing()
+                return
+            if not overwrite:
+                raise JournalError(
+                    f"{self.folder} holds an unfinished run; pass --resume to continue it or "
+                    "--overwrite to start again"
+                )
+            shutil.rmtree(self.folder)
+        elif resume:
+            log.info("%s does not exist: nothing to resume, starting from the first block", self.folder)
+        with _writing(self.folder):
+            (self.folder / BLOCKS).mkdir(parents=True)
+            atomic_write(self.folder / MANIFEST, _json(self.manifest))
+            atomic_write(self.folder / STATE, _json(self.state))
+
+    def _open_existing(self) -> None:
+        try:
+            found = json.loads((self.folder / MANIFEST).read_text(encoding="utf-8"))
+            state = json.loads((self.folder / STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise JournalError(f"{self.folder} is not a readable optq journal ({exc}); use --overwrite") from None
+        differ = sorted(k for k in {*found, *self.manifest} if found.get(k) != self.manifest.get(k))
+        if differ:
+            raise JournalError(
+                f"cannot resume {self.folder}: the {', '.join(differ)} differ from the interrupted "
+                "run's; rerun with the same model, calibration and settings, or pass --overwrite"
+            )
+        self.state = state
+        log.info("resuming %s after %d finished blocks", self.folder, state["done"])
+
+    @property
+    def done(self) -> int:
+        """How many blocks are finished and written."""
+        return int(self.state["done"])
+
+    def block_file(self, i: int) -> Path:
+        return self.folder / BLOCKS / f"{i:05d}.safetensors"
+
+    def _save(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with _writing(path):
+            try:
+                save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                          metadata={"format": "pt"})
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+
+    def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The packed tensors of block ``i`` (not yet counted as done: see ``commit``)."""
+        self._save(self.block_file(i), tensors)
+
+    def commit(self, done: int, hidden: Sequence[torch.Tensor] | None, report: dict[str, Any]) -> None:
+        """Record ``done`` blocks finished, with the activations entering the next block."""
+        acts = None
+        if hidden is not None:
+            acts = f"activations-{done:05d}.safetensors"
+            self._save(self.folder / acts, {f"{b:06d}": h for b, h in enumerate(hidden)})
+        old = self.state.get("activations")
+        self.state = {"done": done, "activations": acts, "report": report}
+        with _writing(self.folder / STATE):
+            atomic_write(self.folder / STATE, _json(self.state))
+        if old and old != acts:
+            (self.folder / old).unlink(missing_ok=True)
+
+    def activations(self) -> list[torch.Tensor]:
+        """The hidden states saved with the last commit (one tensor per batch)."""
+        name = self.state.get("activations")
+        if not name:
+            raise JournalError(f"{self.folder} holds no activations to resume from; use --overwrite")
+        loaded = load_file(str(self.folder / name))
+        return [loaded[k] for k in sorted(loaded)]
+
+    def finish(self) -> Path:
+        """Remove the journal files and rename the folder to ``OUT`` (the caller has written the
+        final files into ``self.folder``); an existing ``OUT`` is replaced only with overwrite."""
+        for name in (MANIFEST, STATE, self.state.get("activations")):
+            if name:
+                (self.folder / name).unlink(missing_ok=True)
+        shutil.rmtree(self.folder / BLOCKS, ignore_errors=True)
+        move_into_place(self.folder, self.out, self.overwrite)
+        if self.folder.exists():  # the old output, exchanged into our place
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return self.out

@@ -1,0 +1,221 @@
+"""Seam 1, where a block's weights come from: a safetensors model folder read one module at a time.
+
+The model is built on the meta device from its ``config.json`` (no weights materialised); a
+module's tensors are read from the shards only when :meth:`SafetensorsSource.load` asks for
+them, cast to the compute dtype and placed on the compute device, and :meth:`release` turns them
+back into meta tensors once the module is done. Peak memory is then one block, whatever the
+depth. Pickled ``*.bin`` weights are refused: optq never unpickles.
+
+Example::
+
+    >>> src = SafetensorsSource("out/llama")                       # doctest: +SKIP
+    >>> model = src.skeleton()                                      # meta tensors only
+    >>> src.load(model.model.layers[0], "model.layers.0", "cpu", torch.float32)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from optq.formats.files import INDEX, SINGLE, CheckpointError, read_index
+
+__all__ = ["SafetensorsSource", "SourceError"]
+
+log = logging.getLogger("optq.pipeline")
+
+
+class SourceError(ValueError):
+    """A model folder that cannot be streamed (no safetensors, missing tensors, bad config)."""
+
+
+def _check_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise SourceError(f"{folder} has no config.json; give a Hugging Face model folder")
+    if (folder / SINGLE).is_file() or (folder / INDEX).is_file():
+        return
+    pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+    if pickled:
+        raise SourceError(
+            f"{folder} holds only pickled weights ({', '.join(pickled[:3])}); optq never unpickles. "
+            "Convert them once to safetensors (e.g. load with transformers and save_pretrained("
+            "safe_serialization=True)) and quantize that folder"
+        )
+    raise SourceError(f"{folder} holds no {SINGLE} or {INDEX}")
+
+
+class SafetensorsSource:
+    """A Hugging Face model folder whose weights are safetensors (one file or shards + index).
+
+    ``loaded`` counts how often each tensor was read (tests use it to prove that nothing is
+    read twice or before it is needed).
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        _check_folder(self.folder)
+        try:
+            self.config_dict: dict[str, Any] = json.loads((self.folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{self.folder / 'config.json'} is not readable JSON ({exc})") from None
+        if not isinstance(self.config_dict, dict) or "model_type" not in self.config_dict:
+            raise SourceError(f"{self.folder / 'config.json'} has no model_type; is it a transformers model?")
+        if self.config_dict.get("quantization_config"):
+            raise SourceError(f"{self.folder} is already quantized ({self.config_dict['quantization_config'].get('quant_method')}); quantize the original model")
+        self.index = read_index(self.folder)
+        self.loaded: Counter[str] = Counter()
+        self._files: dict[str, Any] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The source dtype: that of most floating-point tensors (by element count)."""
+        sizes: Counter[torch.dtype] = Counter()
+        for _, shape, dtype in self.index.values():
+            if dtype.is_floating_point:
+                sizes[dtype] += int(torch.Size(shape).numel())
+        return sizes.most_common(1)[0][0] if sizes else torch.float32
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        """Bytes of the given tensors (all by default) as stored."""
+        keys = self.index if names is None else names
+        return sum(int(torch.Size(self.index[k][1]).numel()) * self.index[k][2].itemsize for k in keys)
+
+    def hf_config(self) -> Any:
+        """The transformers config object."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(self.folder))
+
+    def skeleton(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The model with every parameter (and persistent buffer) on the meta device.
+
+        Non-persistent buffers such as rotary tables are real: they are computed from the config,
+        not read from the checkpoint.
+        """
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(self.hf_config(), dtype=dtype)
+        model.tie_weights()
+        return model.eval()
+
+    # ------------------------------------------------------------------------------- tensors
+    def _file(self, fname: str) -> Any:
+        handle = self._files.get(fname)
+        if handle is None:
+            handle = self._files[fname] = safe_open(str(self.folder / fname), framework="pt")
+        return handle
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor as stored (source dtype, CPU)."""
+        try:
+            fname = self.index[name][0]
+        except KeyError:
+            raise SourceError(f"{self.folder} has no tensor {name}") from None
+        try:
+            tensor = self._file(fname).get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{self.folder / fname}: cannot read {name} ({exc}); the file is truncated or corrupt") from None
+        self.loaded[name] += 1
+        return tensor
+
+    def close(self) -> None:
+        """Close the open shard files."""
+        self._files.clear()
+
+    def tensor_names(self, module: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
+        """Checkpoint key -> the module's tensor names that hold it (tied parameters share one key).
+
+        Tensors all of whose names start with one of ``skip`` (module-relative prefixes such as
+        ``"model.layers."``) are left out. Raises SourceError naming a tensor the module needs
+        that the checkpoint lacks.
+        """
+        groups: dict[int, list[str]] = {}
+        tensors: dict[int, torch.Tensor] = {}
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            if not _persistent(module, name):
+                continue
+            groups.setdefault(id(t), []).append(name)
+            tensors[id(t)] = t
+        out: dict[str, list[str]] = {}
+        for key, names in groups.items():
+            if skip and all(n.startswith(skip) for n in names):
+                continue
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            found = [f for f in full if f in self.index]
+            if not found:
+                raise SourceError(
+                    f"{self.folder} has no tensor {full[0]} (needed by {type(module).__name__}); "
+                    "is the checkpoint complete and written under transformers' names?"
+                )
+            out[found[0]] = names
+        return out
+
+    def load(self, module: nn.Module, prefix: str, device: torch.device | str, dtype: torch.dtype | None,
+             skip: tuple[str, ...] = ()) -> None:
+        """Read ``module``'s tensors (checkpoint names ``prefix.<name>``) onto ``device``.
+
+        Floating-point tensors are cast to ``dtype`` (None keeps the source dtype); ``skip`` as
+        in :meth:`tensor_names`. Tied tensors are read once and stay tied.
+        """
+        for key, names in self.tensor_names(module, prefix, skip).items():
+            value = self.read(key)
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            value = value.to(device)
+            shared = None
+            for name in names:
+                current = module.get_parameter(name) if _is_parameter(module, name) else module.get_buffer(name)
+                if tuple(current.shape) != tuple(value.shape):
+                    raise SourceError(
+                        f"{self.folder}: tensor {key} has shape {list(value.shape)}, the model "
+                        f"expects {list(current.shape)} for {prefix}.{name}"
+                    )
+                if shared is None:
+                    shared = nn.Parameter(value, requires_grad=False) if _is_parameter(module, name) else value
+                _assign(module, name, shared)
+
+    def release(self, module: nn.Module, skip: tuple[str, ...] = ()) -> None:
+        """Turn ``module``'s persistent tensors back into meta tensors (frees their memory)."""
+        done: dict[int, Any] = {}
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            if not _persistent(module, name) or (skip and name.startswith(skip)):
+                continue
+            if id(t) not in done:
+                meta = torch.empty_like(t, device="meta")
+                done[id(t)] = nn.Parameter(meta, requires_grad=False) if _is_parameter(module, name) else meta
+            _assign(module, name, done[id(t)])
+
+
+def _split(name: str) -> tuple[str, str]:
+    owner, _, leaf = name.rpartition(".")
+    return owner, leaf
+
+
+def _is_parameter(module: nn.Module, name: str) -> bool:
+    owner, leaf = _split(name)
+    return leaf in (module.get_submodule(owner) if owner else module)._parameters
+
+
+def _persistent(module: nn.Module, name: str) -> bool:
+    owner, leaf = _split(name)
+    sub = module.get_submodule(owner) if owner else module
+    return leaf in sub._parameters or leaf not in sub._non_persistent_buffers_set
+
+
+def _assign(module: nn.Module, name: str, value: Any) -> None:
+    owner, leaf = _split(name)
+    sub = module.get_submodule(owner) if owner else module
+    if leaf in sub._parameters:
+        sub._parameters[leaf] = value
+    else:
+        sub._buffers[leaf] = value
