@@ -1,4 +1,9 @@
-"""``optq quantize MODEL -o OUT``: quantize a model end to end and write it with its report."""
+"""``optq quantize MODEL -o OUT``: quantize a model end to end and write it with its report.
+
+Every model (a folder, a built-in name, a .gguf file converted once, a hub id's snapshot) is
+streamed: one decoder block in memory at a time, written as it finishes into ``OUT.partial/``
+(``--resume`` continues a killed run there), renamed to OUT when complete.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ def register(subparsers: Any) -> None:
         "quantize",
         help="quantize a causal LM with GPTQ and write it with its report",
         description="Quantize the linear layers of a causal LM's decoder blocks with GPTQ, one "
-        "block at a time, and write the quantized model and its quantization_report.json to OUT.",
+        "block at a time, and write the quantized model and its quantization_report.json to OUT. "
+        "Blocks are read from the model's safetensors files one at a time and written as they "
+        "finish into OUT.partial/, which --resume continues after a crash.",
     )
     p.add_argument("model", metavar="MODEL", help="hub id, local folder, .gguf file or built-in name")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
@@ -62,13 +69,24 @@ def register(subparsers: Any) -> None:
     c.add_argument("--strategy", choices=("pause", "replay"), default="replay",
                    help="replay: re-run the block per group, least memory (default); "
                    "pause: pause every batch's forward per group, ~13%% less time, several x the memory")
-    c.add_argument("--device", default=None, help="compute device, e.g. cpu or cuda (default: the model's)")
+    c.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
+    c.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="dtype of the block forwards (default: float32 on CPU, the model's on CUDA)")
     c.add_argument("--batch-size", type=int, default=8, help="windows per block forward (default 8)")
     c.add_argument("--include", action="append", metavar="PATTERN",
                    help="quantize only matching linears (wildcards or re:REGEX; repeatable)")
     c.add_argument("--exclude", action="append", metavar="PATTERN", help="skip matching linears")
-    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o = p.add_argument_group("output")
+    o.add_argument("--format", choices=("gptq", "gptq_v2"), default="gptq",
+                   help="gptq (v1, what most loaders read; default) or gptq_v2")
+    o.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest output file, e.g. 2GB (default 5GB; one shard is held in memory "
+                   "while it is written)")
+    o.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in OUT.partial/ (same model, data and flags)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it exists, and start an unfinished OUT.partial/ again")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -88,14 +106,15 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise CliError(str(exc)) from None
 
 
-def _load_model(name: str) -> tuple[Any, Any]:
-    from optq.data.zoo import known_models, load_model
+def _model_folder(name: str) -> Path:
+    from optq.data.zoo import known_models
+    from optq.pipeline.stream import local_folder
 
     try:
-        return load_model(name)
+        return local_folder(name)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CliError(
-            f"cannot load model {name!r}: {exc} (give a model folder, a .gguf file, a hub id, or "
+            f"cannot find model {name!r}: {exc} (give a model folder, a .gguf file, a hub id, or "
             f"a built-in name: {', '.join(known_models())})"
         ) from None
 
@@ -139,48 +158,38 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_output(out, args.overwrite)
     check_text_source(args.calib)
-    from optq.pipeline.calibration import check_seqlen, max_positions
-    from optq.pipeline.loop import quantize
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
 
-    t0 = time.perf_counter()
-    model, tokenizer = _load_model(args.model)
-    load_s = time.perf_counter() - t0
-    try:  # before the calibration text is read and tokenized
-        check_seqlen(args.seqlen, max_positions(model))
+    from optq.formats.files import parse_size
+    from optq.pipeline.calibration import check_seqlen, max_positions
+    from optq.pipeline.stream import quantize_pretrained
+
+    try:
+        parse_size(args.max_shard_size)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    tokens = _calibration_tokens(args.calib, tokenizer)
-    try:
-        report = quantize(
-            model, tokens, config, propagate=args.propagate, nsamples=args.nsamples,
-            seqlen=args.seqlen, seed=args.seed, include=args.include, exclude=args.exclude,
-            device=args.device, progress=not args.no_progress, batch_size=args.batch_size,
-            method=args.method, strategy=args.strategy,
-        )
-    except ValueError as exc:  # bad calibration, patterns, ranges; FactorizationError included
+    t0 = time.perf_counter()
+    folder = _model_folder(args.model)
+    hf_config = AutoConfig.from_pretrained(str(folder))
+    try:  # before the calibration text is read and tokenized
+        check_seqlen(args.seqlen, max_positions(hf_config))
+    except ValueError as exc:
         raise CliError(str(exc)) from None
-    report.options.update(model=args.model, calib=args.calib, load_seconds=load_s)
-    _write(out, model, tokenizer, report, overwrite=args.overwrite)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokens = _calibration_tokens(args.calib, tokenizer)
+    load_s = time.perf_counter() - t0
+    report = quantize_pretrained(
+        folder, out, tokens, config, format=args.format, max_shard_size=args.max_shard_size,
+        compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
+        device=args.device, propagate=args.propagate, nsamples=args.nsamples, seqlen=args.seqlen,
+        seed=args.seed, include=args.include, exclude=args.exclude, batch_size=args.batch_size,
+        method=args.method, strategy=args.strategy, resume=args.resume, overwrite=args.overwrite,
+        progress=not args.no_progress, provenance={"model": args.model, "calib": args.calib},
+    )
     print(summary(report))
-    print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all, {load_s:.1f} s loading)")
+    print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all, {load_s:.1f} s preparing)")
     return 0
-
-
-def _write(out: Path, model: Any, tokenizer: Any, report: Any, *, overwrite: bool) -> None:
-    # The checkpoint writer fills a hidden folder beside OUT and gives it OUT's name only at the
-    # end (optq.formats.files.atomic_folder): an interrupted or failed run leaves nothing that
-    # looks like a finished model, and --overwrite leaves no copy of the old one behind.
-    from optq.formats.checkpoint import save
-
-    try:
-        save(model, out, solutions=report.solutions, tokenizer=tokenizer, report=report,
-             overwrite=overwrite)
-    except FileExistsError:
-        raise CliError(f"output folder {out} appeared meanwhile; pass --overwrite to replace it") from None
-    except OSError as exc:  # a full disk, a lost permission: named by OUT, not the hidden folder
-        if exc.strerror is None:
-            raise
-        raise OSError(exc.errno, f"cannot write the quantized model: {exc.strerror}", str(out)) from exc
 
 
 def summary(report: Any) -> str:

@@ -43,8 +43,9 @@ def _check_range(name: str, value: int | None, high: int, what: str) -> None:
 
 
 def max_positions(model: Any) -> int | None:
-    """The longest sequence ``model`` takes (its config's ``max_position_embeddings``), or None."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """The longest sequence a model (or its transformers config) takes: the config's
+    ``max_position_embeddings``, or None."""
+    limit = getattr(getattr(model, "config", model), "max_position_embeddings", None)
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
 
 

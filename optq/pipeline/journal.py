@@ -123,6 +123,11 @@ class Journal:
         self.state = state
         log.info("resuming %s after %d finished blocks", self.folder, state["done"])
 
+    def writing(self, what: Path) -> Any:
+        """A context in which a failed write (full disk, lost permission) becomes a JournalError
+        that says the partial run is kept for ``--resume``."""
+        return _writing(what)
+
     @property
     def done(self) -> int:
         """How many blocks are finished and written."""

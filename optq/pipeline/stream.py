@@ -42,7 +42,7 @@ from optq.pipeline.loop import _versions, check_finite_weights, prepare
 from optq.pipeline.report import LayerReport, Report
 from optq.pipeline.source import SafetensorsSource, SourceError
 
-__all__ = ["quantize_pretrained", "STREAM_FORMATS"]
+__all__ = ["quantize_pretrained", "local_folder", "STREAM_FORMATS"]
 
 log = logging.getLogger("optq.pipeline")
 STREAM_FORMATS = ("gptq", "gptq_v2")
@@ -75,6 +75,7 @@ def quantize_pretrained(
     resume: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    provenance: dict[str, Any] | None = None,
 ) -> Report:
     """Quantize the safetensors model at ``source`` into the checkpoint folder ``out``.
 
@@ -88,14 +89,15 @@ def quantize_pretrained(
     ``max_shard_size`` of the output (transformers' default, 5GB), ``compute_dtype`` of the
     block forwards (default float32 on CPU, the source dtype on CUDA), ``resume`` (continue an
     interrupted run in ``OUT.partial/``) and ``overwrite`` (replace ``out``, or start a partial
-    run again). Returns the report, also written to ``out/quantization_report.json``; its
+    run again), ``provenance`` (what the caller wants recorded in the report's options, such as
+    the model name and corpus given on the command line). Returns the report, also written to ``out/quantization_report.json``; its
     ``solutions`` are empty (each block's are packed and freed as it finishes).
     """
     if format not in STREAM_FORMATS:
         raise ValueError(f"format={format!r}: the streaming path writes {STREAM_FORMATS}; for "
                          "compressed-tensors load the model and use optq.quantize + optq.save")
     start = time.perf_counter()
-    src = SafetensorsSource(_local_folder(source))
+    src = SafetensorsSource(local_folder(source))
     device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = compute_dtype or (torch.float32 if device.type == "cpu" else src.dtype)
     model = src.skeleton(dtype)
@@ -104,7 +106,7 @@ def quantize_pretrained(
                   batch_size=batch_size, method=method, strategy=strategy)
     options = {**run.options, "format": format, "max_shard_size": str(max_shard_size),
                "compute_dtype": str(dtype).removeprefix("torch."), "source_dtype": str(src.dtype).removeprefix("torch."),
-               "streaming": True}
+               "streaming": True, **(provenance or {})}
     manifest = {
         "source": _source_digest(src),
         "calibration": tensor_digest(run.batches),
@@ -122,22 +124,25 @@ def quantize_pretrained(
     log.info("streaming %d blocks of %s from %s (%s) in %s on %s, %d x %d calibration tokens",
              len(blocks), prefix, src.folder, options["source_dtype"], options["compute_dtype"], device,
              options["nsamples"], options["seqlen"])
-    with torch.no_grad():
-        src.load(model, "", device, dtype, skip=outside)  # embeddings, final norm, rotary tables
-        _buffers_to(model, device)
-        src.load(blocks[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
-        hidden, calls = capture.capture_inputs(model, blocks, run.batches, device)
-        if journal.done:
-            src.release(blocks[0])
-            hidden = [h.to(device) for h in journal.activations()]
-        _blocks(src, journal, run, config, hidden, calls, report, dtype, format, progress)
-        src.release(model)
+    if journal.done < len(blocks):  # else killed while assembling: only that is left to do
+        with torch.no_grad():
+            src.load(model, "", device, dtype, skip=outside)  # embeddings, final norm
+            _buffers_to(model, device)  # rotary tables
+            src.load(blocks[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
+            hidden, calls = capture.capture_inputs(model, blocks, run.batches, device)
+            if journal.done:
+                src.release(blocks[0])
+                hidden = [h.to(device) for h in journal.activations()]
+            _blocks(src, journal, run, config, hidden, calls, report, dtype, format, progress)
+            del hidden, calls
+            src.release(model)
     natural = journal.state["report"].get("natural", True)
     qconfig = describe_gptq(bits=config.bits, group_size=config.group_size, sym=config.sym, natural=natural,
                             static_groups=bool(config.static_groups), damp=config.damp, checkpoint_format=format)
     report.seconds = time.perf_counter() - start
-    _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
-    journal.finish()
+    with journal.writing(journal.folder):
+        _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
+        journal.finish()
     src.close()
     log.info("wrote %s in %.1f s", journal.out, report.seconds)
     return report
@@ -218,7 +223,8 @@ def _assemble(src: SafetensorsSource, journal: Journal, qconfig: dict[str, Any],
     write_json(folder / REPORT_FILE, report.to_dict())
 
 
-def _local_folder(source: str | Path) -> Path:
+def local_folder(source: str | Path) -> Path:
+    """The local model folder of a folder, built-in name, .gguf file or hub id (its snapshot)."""
     from optq.data.zoo import resolve_model
 
     where = resolve_model(source)

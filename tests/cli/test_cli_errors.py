@@ -143,35 +143,40 @@ def test_read_only_output_parent_is_refused_up_front(model_dir, tmp_path, capsys
         ro.chmod(0o755)
 
 
-def test_a_full_disk_at_the_end_is_one_line_and_leaves_nothing(model_dir, tmp_path, capsys, monkeypatch):
+def test_a_full_disk_at_the_end_is_one_line_and_keeps_the_run_resumable(model_dir, tmp_path, capsys, monkeypatch):
     import optq.formats.files as files
 
     def full(tensors, filename, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", filename)
 
-    monkeypatch.setattr(files, "save_file", full)
-    assert main(_quantize(model_dir, tmp_path / "q")) == 1
+    monkeypatch.setattr(files, "save_file", full)  # the final shards; the journal writes apart
+    out = tmp_path / "q"
+    assert main(_quantize(model_dir, out)) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert line == f"optq: error: {tmp_path / 'q'}: cannot write the quantized model: No space left on device"
-    assert list(tmp_path.iterdir()) == []
+    assert line.startswith(f"optq: error: cannot write {tmp_path / 'q.partial'} (No space left on device)")
+    assert line.endswith("the disk is full: free space, then rerun with --resume")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.partial"]
+    monkeypatch.undo()
+    assert main(_quantize(model_dir, out, "--resume")) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
 def test_overwrite_interrupted_keeps_the_old_folder(model_dir, tmp_path, monkeypatch):
-    from optq.formats import checkpoint
+    from optq.pipeline import stream
 
     out = tmp_path / "q"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    real = checkpoint.write_json
+    real = stream.write_json
 
     def write_json(path, obj):
         if path.name == "quantization_report.json":  # the last file of the checkpoint
             raise KeyboardInterrupt
         return real(path, obj)
 
-    monkeypatch.setattr(checkpoint, "write_json", write_json)
+    monkeypatch.setattr(stream, "write_json", write_json)
     assert main(_quantize(model_dir, out, "--overwrite")) == 130
-    assert [p.name for p in tmp_path.iterdir()] == ["q"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.partial"]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 

@@ -68,9 +68,9 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
 
 
 @pytest.mark.parametrize("where", ["solver", "writing"])
-def test_interrupt_leaves_no_output(model_dir, tmp_path, monkeypatch, where):
+def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch, where):
     from optq.core import solver
-    from optq.formats import checkpoint
+    from optq.pipeline import stream
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -78,12 +78,18 @@ def test_interrupt_leaves_no_output(model_dir, tmp_path, monkeypatch, where):
     if where == "solver":  # Ctrl-C in the middle of the block loop
         monkeypatch.setattr(solver, "gptq", interrupted)
     else:  # Ctrl-C at the checkpoint's last file, just before the folder gets its name
-        real = checkpoint.write_json
-        monkeypatch.setattr(checkpoint, "write_json", lambda path, obj: interrupted()
+        real = stream.write_json
+        monkeypatch.setattr(stream, "write_json", lambda path, obj: interrupted()
                             if path.name == "quantization_report.json" else real(path, obj))
     out = tmp_path / "q"
     assert main(_args(model_dir, out)) == 130
-    assert not out.exists() and _leftovers(tmp_path) == []
+    # Nothing that looks like a model; the unfinished run waits in OUT.partial for --resume.
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name != "model") == ["q.partial"]
+    monkeypatch.undo()
+    assert main(_args(model_dir, out)) == 2  # not without --resume or --overwrite
+    assert main(_args(model_dir, out, "--resume")) == 0
+    assert _report_file(out).exists() and not (tmp_path / "q.partial").exists()
+    assert _leftovers(tmp_path) == []
 
 
 def test_too_little_calibration_text(model_dir, tmp_path, capsys):
