@@ -82,6 +82,9 @@ def register(subparsers: Any) -> None:
     o.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="largest output file, e.g. 2GB (default 5GB; one shard is held in memory "
                    "while it is written)")
+    c.add_argument("--offload-activations", action="store_true",
+                   help="keep the calibration activations in a memory-mapped file in OUT.partial/ "
+                   "instead of RAM (for nsamples x seqlen x hidden larger than memory; CPU only)")
     o.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in OUT.partial/ (same model, data and flags)")
     o.add_argument("--overwrite", action="store_true",
@@ -185,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, propagate=args.propagate, nsamples=args.nsamples, seqlen=args.seqlen,
         seed=args.seed, include=args.include, exclude=args.exclude, batch_size=args.batch_size,
         method=args.method, strategy=args.strategy, resume=args.resume, overwrite=args.overwrite,
+        offload_activations=args.offload_activations,
         progress=not args.no_progress, provenance={"model": args.model, "calib": args.calib},
     )
     print(summary(report))

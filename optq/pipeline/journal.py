@@ -38,6 +38,7 @@ log = logging.getLogger("optq.pipeline")
 MANIFEST = "manifest.json"
 STATE = "state.json"
 BLOCKS = "blocks"
+OFFLOAD = "activations.mmap"  # --offload-activations: the live activations, memory-mapped
 
 
 class JournalError(ValueError):
@@ -173,10 +174,35 @@ class Journal:
         loaded = load_file(str(self.folder / name))
         return [loaded[k] for k in sorted(loaded)]
 
+    def offload(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The same tensors, backed by a memory-mapped file in the journal folder instead of RAM.
+
+        Writes into them (each block's outputs replace its inputs) go to the page cache and on
+        to disk, which the kernel may evict under memory pressure: activations larger than the
+        memory then fit, at the cost of disk traffic.
+        """
+        total = sum(h.numel() for h in hidden)
+        if not hidden or total == 0:
+            return list(hidden)
+        dtype = hidden[0].dtype
+        if any(h.dtype != dtype or h.device.type != "cpu" for h in hidden):
+            raise JournalError("offloaded activations must be CPU tensors of one dtype")
+        path = self.folder / OFFLOAD
+        path.unlink(missing_ok=True)
+        with self.writing(path):
+            flat = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
+        out, start = [], 0
+        for h in hidden:
+            view = flat[start : start + h.numel()].view(h.shape)
+            view.copy_(h)
+            out.append(view)
+            start += h.numel()
+        return out
+
     def finish(self) -> Path:
         """Remove the journal files and rename the folder to ``OUT`` (the caller has written the
         final files into ``self.folder``); an existing ``OUT`` is replaced only with overwrite."""
-        for name in (MANIFEST, STATE, self.state.get("activations")):
+        for name in (MANIFEST, STATE, OFFLOAD, self.state.get("activations")):
             if name:
                 (self.folder / name).unlink(missing_ok=True)
         shutil.rmtree(self.folder / BLOCKS, ignore_errors=True)

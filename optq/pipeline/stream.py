@@ -74,6 +74,7 @@ def quantize_pretrained(
     strategy: str = "replay",
     resume: bool = False,
     overwrite: bool = False,
+    offload_activations: bool = False,
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
 ) -> Report:
@@ -89,10 +90,14 @@ def quantize_pretrained(
     ``max_shard_size`` of the output (transformers' default, 5GB), ``compute_dtype`` of the
     block forwards (default float32 on CPU, the source dtype on CUDA), ``resume`` (continue an
     interrupted run in ``OUT.partial/``) and ``overwrite`` (replace ``out``, or start a partial
-    run again), ``provenance`` (what the caller wants recorded in the report's options, such as
+    run again), ``offload_activations`` (keep the calibration activations in a memory-mapped
+    file in ``OUT.partial/`` rather than in RAM, for runs whose nsamples x seqlen x hidden does
+    not fit; CPU only), ``provenance`` (what the caller wants recorded in the report's options, such as
     the model name and corpus given on the command line). Returns the report, also written to ``out/quantization_report.json``; its
     ``solutions`` are empty (each block's are packed and freed as it finishes).
     """
+    if offload_activations and device is not None and torch.device(device).type != "cpu":
+        raise ValueError("offload_activations keeps activations in a memory-mapped file: CPU only")
     if format not in STREAM_FORMATS:
         raise ValueError(f"format={format!r}: the streaming path writes {STREAM_FORMATS}; for "
                          "compressed-tensors load the model and use optq.quantize + optq.save")
@@ -133,6 +138,8 @@ def quantize_pretrained(
             if journal.done:
                 src.release(blocks[0])
                 hidden = [h.to(device) for h in journal.activations()]
+            if offload_activations:
+                hidden = journal.offload(hidden)
             _blocks(src, journal, run, config, hidden, calls, report, dtype, format, progress)
             del hidden, calls
             src.release(model)
