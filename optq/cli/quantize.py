@@ -77,8 +77,9 @@ def register(subparsers: Any) -> None:
                    help="quantize only matching linears (wildcards or re:REGEX; repeatable)")
     c.add_argument("--exclude", action="append", metavar="PATTERN", help="skip matching linears")
     o = p.add_argument_group("output")
-    o.add_argument("--format", choices=("gptq", "gptq_v2"), default="gptq",
-                   help="gptq (v1, what most loaders read; default) or gptq_v2")
+    o.add_argument("--format", choices=("gptq", "gptq_v2", "compressed-tensors"), default="gptq",
+                   help="gptq (v1, what most loaders read; default), gptq_v2, or compressed-tensors "
+                   "(pack-quantized, as llm-compressor writes and vLLM reads)")
     o.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="largest output file, e.g. 2GB (default 5GB; one shard is held in memory "
                    "while it is written)")

@@ -22,7 +22,7 @@ from optq.formats.linears import find_linears
 from optq.formats.packing import pack
 from optq.formats.qlinear import QuantLinear
 
-__all__ = ["export", "plan_load"]
+__all__ = ["export", "export_layer", "check_exportable", "describe", "plan_load"]
 
 
 def _words(count: int, bits: int) -> int:
@@ -34,7 +34,15 @@ def export(
 ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """(quantization_config, {layer name: tensors}) for the pack-quantized format."""
     base = gptq_config(layers, "gptq_v2")
-    bits, group_size = base["bits"], base["group_size"]
+    check_exportable(base)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tensors = {name: export_layer(name, q, sym=base["sym"], dtype=dtype) for name, q in layers.items()}
+    ignore = sorted(n for n in find_linears(model) if n not in layers)
+    return describe(base, ignore), tensors
+
+
+def check_exportable(base: Mapping[str, Any]) -> None:
+    """Refuse settings compressed-tensors cannot read (``base``: the GPTQ quantization_config)."""
     if base["desc_act"] and not base["static_groups"]:
         # compressed-tensors 0.20 removed "group" act-order (non-monotone g_idx): refuse rather
         # than write a folder its own loader rejects.
@@ -42,25 +50,33 @@ def export(
             "compressed-tensors no longer reads act-order without static groups; quantize with "
             "static_groups=True, or save with format='gptq'"
         )
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    tensors = {}
-    for name, q in layers.items():
-        codes = q.codes()
-        zeros = q.zeros()
-        out = {
-            "weight_packed": pack(codes, bits, dim=1)[:, : _words(q.in_features, bits)].contiguous(),
-            "weight_scale": q.scales.t().to(dtype).contiguous(),
-            "weight_shape": torch.tensor([q.out_features, q.in_features], dtype=torch.int64),
-        }
-        if not base["sym"]:
-            out["weight_zero_point"] = pack(zeros, bits, dim=0)[: _words(q.out_features, bits)].contiguous()
-        elif not bool((zeros == 1 << (bits - 1)).all()):
-            raise CheckpointError(f"{name}: symmetric config but zero points differ from {1 << (bits - 1)}")
-        if q.bias is not None:
-            out["bias"] = q.bias.to(dtype)
-        tensors[name] = out
+
+
+def export_layer(name: str, q: QuantLinear, *, sym: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One layer's pack-quantized tensors (``q`` in the gptq_v2 convention); scales and bias in
+    ``dtype``, the model's."""
+    bits = q.bits
+    codes = q.codes()
+    zeros = q.zeros()
+    out = {
+        "weight_packed": pack(codes, bits, dim=1)[:, : _words(q.in_features, bits)].contiguous(),
+        "weight_scale": q.scales.t().to(dtype).contiguous(),
+        "weight_shape": torch.tensor([q.out_features, q.in_features], dtype=torch.int64),
+    }
+    if not sym:
+        out["weight_zero_point"] = pack(zeros, bits, dim=0)[: _words(q.out_features, bits)].contiguous()
+    elif not bool((zeros == 1 << (bits - 1)).all()):
+        raise CheckpointError(f"{name}: symmetric config but zero points differ from {1 << (bits - 1)}")
+    if q.bias is not None:
+        out["bias"] = q.bias.to(dtype)
+    return out
+
+
+def describe(base: Mapping[str, Any], ignore: list[str]) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` from the GPTQ one and the float linears."""
+    group_size = base["group_size"]
     weights = {
-        "num_bits": bits,
+        "num_bits": base["bits"],
         "type": "int",
         "symmetric": base["sym"],
         "strategy": "channel" if group_size == -1 else "group",
@@ -69,8 +85,7 @@ def export(
         "dynamic": False,
         "observer": "minmax",
     }
-    ignore = sorted(n for n in find_linears(model) if n not in layers)
-    qconfig = {
+    return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
@@ -83,7 +98,6 @@ def export(
         "global_compression_ratio": None,
         "optq": base["meta"],
     }
-    return qconfig, tensors
 
 
 def plan_load(qc: Mapping[str, Any], index: Mapping[str, Any]) -> Any:

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from optq.core.config import QuantConfig
+from optq.formats import compressed_tensors
 from optq.formats.checkpoint import REPORT_FILE
 from optq.formats.files import INDEX, read_header, write_json, write_safetensors_lazily
 from optq.formats.gptq import describe_gptq, is_natural
@@ -45,7 +46,7 @@ from optq.pipeline.source import SafetensorsSource, SourceError
 __all__ = ["quantize_pretrained", "local_folder", "STREAM_FORMATS"]
 
 log = logging.getLogger("optq.pipeline")
-STREAM_FORMATS = ("gptq", "gptq_v2")
+STREAM_FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
 # Files of a model folder that are not weights and travel with the checkpoint (tokenizer, chat
 # template, generation settings, provenance).
 _COPIED = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
@@ -99,8 +100,10 @@ def quantize_pretrained(
     if offload_activations and device is not None and torch.device(device).type != "cpu":
         raise ValueError("offload_activations keeps activations in a memory-mapped file: CPU only")
     if format not in STREAM_FORMATS:
-        raise ValueError(f"format={format!r}: the streaming path writes {STREAM_FORMATS}; for "
-                         "compressed-tensors load the model and use optq.quantize + optq.save")
+        raise ValueError(f"format={format!r} is unknown; choose one of {STREAM_FORMATS}")
+    if format == "compressed-tensors":
+        compressed_tensors.check_exportable({"desc_act": config.act_order and not config.static_groups,
+                                             "static_groups": config.static_groups})
     start = time.perf_counter()
     src = SafetensorsSource(local_folder(source))
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -145,7 +148,10 @@ def quantize_pretrained(
             src.release(model)
     natural = journal.state["report"].get("natural", True)
     qconfig = describe_gptq(bits=config.bits, group_size=config.group_size, sym=config.sym, natural=natural,
-                            static_groups=bool(config.static_groups), damp=config.damp, checkpoint_format=format)
+                            static_groups=bool(config.static_groups), damp=config.damp,
+                            checkpoint_format="gptq_v2" if format == "compressed-tensors" else format)
+    if format == "compressed-tensors":
+        qconfig = compressed_tensors.describe(qconfig, sorted(n for n in find_linears(model) if n not in run.targets))
     report.seconds = time.perf_counter() - start
     with journal.writing(journal.folder):
         _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
@@ -178,9 +184,13 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
                 sol = report.solutions.pop(lname, None)
                 if sol is None:
                     continue
-                layer = QuantLinear.from_solution(sol, module.bias, fmt)
+                layer = QuantLinear.from_solution(sol, module.bias, "gptq_v2" if fmt == "compressed-tensors" else fmt)
                 natural = natural and is_natural(layer)
-                packed.update({f"{lname}.{k}": v for k, v in layer.state_dict().items()})
+                if fmt == "compressed-tensors":
+                    tensors = compressed_tensors.export_layer(lname, layer, sym=config.sym, dtype=src.dtype)
+                else:
+                    tensors = layer.state_dict()
+                packed.update({f"{lname}.{k}": v for k, v in tensors.items()})
             src.release(block)
             report.block_seconds.append(time.perf_counter() - t0)
             journal.write_block(i, packed)
@@ -222,7 +232,8 @@ def _assemble(src: SafetensorsSource, journal: Journal, qconfig: dict[str, Any],
     config = {k: v for k, v in src.config_dict.items() if k != "quantization_config"}
     config["quantization_config"] = qconfig
     write_json(folder / "config.json", config)
-    write_json(folder / "quantize_config.json", qconfig)
+    if qconfig["quant_method"] == "gptq":
+        write_json(folder / "quantize_config.json", qconfig)
     for pattern in _COPIED:
         for path in sorted(src.folder.glob(pattern)):
             if path.name not in _NOT_COPIED and path.is_file():
