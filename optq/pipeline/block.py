@@ -58,6 +58,9 @@ def quantize_block(
         log.warning("%s is never called by its block; left unquantized", name)
 
     def solve(k: int, subset: list[str], hess: LayerHessians, t0: float) -> None:
+        # Seam 2, where Hessians are summed: both strategies come here once the group's Hessian
+        # holds every local calibration token. Data-parallel calibration all-reduces its sums
+        # and token counts at this point, before the solve (docs/architecture.md).
         _solve_subset(linears, subset, k, hess, config, opts["method"], report, t0)
         bar.set_postfix_str(_postfix(report, subset), refresh=False)
 

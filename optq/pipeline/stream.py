@@ -175,7 +175,7 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
             name = f"{prefix}.{i}"
             block = blocks[i]
             if i > 0 or journal.done:
-                src.load(block, name, run.device, dtype)  # seam 1: the block's weights
+                src.load(block, name, run.device, dtype)  # seam 1: where a block's weights come from
             linears = find_linears(block, name)
             check_finite_weights({n: m for n, m in linears.items() if n in run.targets})
             quantize_block(name, block, hidden, calls[i], run.targets, config, opts, report, bar)
