@@ -9,8 +9,9 @@ Layout of ``OUT.partial/`` while a run is going on::
 
 Every file is written to a temporary name and renamed, and ``state.json`` is renamed last, so a
 run killed at any moment leaves a journal whose state names only complete files: ``--resume``
-redoes at most the block that was running. When the last block is done the final shards are
-assembled inside the folder, the journal files are removed and the folder is renamed to ``OUT``.
+redoes at most the block that was running. When the last block is done the checkpoint is
+assembled in ``OUT.partial/final/`` (afresh on resume), which one rename makes ``OUT``; then the
+journal is removed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ log = logging.getLogger("optq.pipeline")
 MANIFEST = "manifest.json"
 STATE = "state.json"
 BLOCKS = "blocks"
+FINAL = "final"  # the checkpoint being assembled, renamed to OUT when complete
 OFFLOAD = "activations.mmap"  # --offload-activations: the live activations, memory-mapped
 
 
@@ -199,14 +201,17 @@ class Journal:
             start += h.numel()
         return out
 
+    @property
+    def final(self) -> Path:
+        """Where the finished checkpoint is assembled, inside the journal folder."""
+        return self.folder / FINAL
+
     def finish(self) -> Path:
-        """Remove the journal files and rename the folder to ``OUT`` (the caller has written the
-        final files into ``self.folder``); an existing ``OUT`` is replaced only with overwrite."""
-        for name in (MANIFEST, STATE, OFFLOAD, self.state.get("activations")):
-            if name:
-                (self.folder / name).unlink(missing_ok=True)
-        shutil.rmtree(self.folder / BLOCKS, ignore_errors=True)
-        move_into_place(self.folder, self.out, self.overwrite)
-        if self.folder.exists():  # the old output, exchanged into our place
-            shutil.rmtree(self.folder, ignore_errors=True)
+        """Give the assembled checkpoint (``self.final``) its name ``OUT`` in one rename, then
+        remove the journal; an existing ``OUT`` is replaced only with overwrite. Killed before
+        the rename, the journal is whole and resumes to the assembly; after it, OUT is complete."""
+        move_into_place(self.final, self.out, self.overwrite)
+        if self.final.exists():  # the old output, exchanged into our place
+            shutil.rmtree(self.final, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
         return self.out

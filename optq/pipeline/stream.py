@@ -203,8 +203,10 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
 
 def _assemble(src: SafetensorsSource, journal: Journal, qconfig: dict[str, Any], report: Report, n_blocks: int,
               max_shard_size: int | str) -> None:
-    """Write the final shards, config, tokenizer files and report into the journal's folder."""
-    folder = journal.folder
+    """Write the final shards, config, tokenizer files and report into ``journal.final``."""
+    folder = journal.final
+    shutil.rmtree(folder, ignore_errors=True)  # a resumed assembly starts clean
+    folder.mkdir()
     packed: dict[str, tuple[Path, int]] = {}
     for i in range(n_blocks):
         path = journal.block_file(i)
@@ -282,7 +284,7 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
 
 def _snapshot(report: Report) -> dict[str, Any]:
     return {
-        "layers": {n: dataclasses.asdict(r) for n, r in report.layers.items()},
+        "layers": [dataclasses.asdict(r) for r in report.layers.values()],  # a list keeps the run's order
         "block_seconds": report.block_seconds,
         "skipped": report.skipped,
         "fallbacks": report.fallbacks,
@@ -293,10 +295,10 @@ def _restore(report: Report, state: dict[str, Any] | None) -> None:
     if not state:
         return
     names = {f.name for f in dataclasses.fields(LayerReport)}
-    for name, row in state["layers"].items():
+    for row in state["layers"]:
         row = {k: v for k, v in row.items() if k in names}
         row["shape"] = tuple(row["shape"])
-        report.layers[name] = LayerReport(**row)
+        report.layers[row["name"]] = LayerReport(**row)
     report.block_seconds.extend(state["block_seconds"])
     report.skipped.update(state["skipped"])
     report.fallbacks.update(state["fallbacks"])

@@ -1,0 +1,252 @@
+"""The streaming path (``optq.pipeline.stream.quantize_pretrained``): tiny sharded models read one
+block at a time from safetensors, the source dtype kept, the in-memory path's bytes reproduced,
+nothing read before it is needed, pickled weights and missing shards refused, and the GPU path."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import optq
+from optq.formats.files import INDEX, read_index
+from optq.formats.linears import find_linears
+from optq.formats.qlinear import QuantLinear
+from optq.pipeline import stream as stream_mod
+from optq.pipeline.discovery import find_blocks
+from optq.pipeline.journal import Journal
+from optq.pipeline.source import SafetensorsSource, SourceError
+
+pytest.importorskip("transformers")
+from tiny import build
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PACKED = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _quantized_names(arch: str) -> list[str]:
+    """The block linears of ``arch``'s tiny model (all of them are quantized by default)."""
+    model = build(arch)
+    prefix, blocks = find_blocks(model)
+    return sorted(n for i, b in enumerate(blocks) for n in find_linears(b, f"{prefix}.{i}"))
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for fname in sorted({v[0] for v in read_index(folder).values()}):
+        with safe_open(str(folder / fname), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    return out
+
+
+# --------------------------------------------------------------------------- 1. bf16 shards
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sharded_bf16_model_streams_to_a_loadable_checkpoint_in_its_dtype(arch, kit, tmp_path):
+    src = kit.save_tiny(tmp_path / "src", arch, dtype=torch.bfloat16)
+    assert (src / INDEX).is_file() and len(list(src.glob("*.safetensors"))) >= 3  # really sharded
+    report = kit.stream(src, tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / INDEX).is_file() and len(list(out.glob("*.safetensors"))) >= 2
+    assert not (tmp_path / "out.partial").exists()
+    assert report.options["source_dtype"] == "bfloat16" and report.options["compute_dtype"] == "float32"
+    assert report.solutions == {}
+
+    quantized = _quantized_names(arch)
+    source, written = _tensors(src), _tensors(out)
+    # The source's names, less each quantized layer's weight, plus its packed tensors.
+    expected = (set(source) - {f"{n}.weight" for n in quantized}) | {f"{n}.{k}" for n in quantized for k in PACKED}
+    assert set(written) == expected
+    # What is not quantized is copied as stored: bf16, the same bytes.
+    layer_of = set(quantized)
+    copied = [k for k in source if k.rsplit(".", 1)[0] not in layer_of]
+    assert any("embed" in k or "wte" in k for k in copied) and any("norm" in k or "ln_" in k for k in copied)
+    for key in copied:
+        assert written[key].dtype == torch.bfloat16, key
+        assert torch.equal(written[key].view(torch.int16), source[key].view(torch.int16)), key
+    # A quantized layer's bias follows the GPTQ format (float16), with the source's values.
+    for key in source:
+        if key.rsplit(".", 1)[0] in layer_of and key.endswith(".bias"):
+            assert torch.equal(written[key], source[key].to(written[key].dtype)), key
+
+    loaded = optq.load(out)
+    for name in quantized:
+        assert isinstance(loaded.get_submodule(name), QuantLinear), name
+    with torch.no_grad():
+        logits = loaded(kit.tokens(n=2, seqlen=16)).logits
+    assert logits.shape == (2, 16, build(arch).config.vocab_size)
+    assert torch.isfinite(logits).all()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["bits"] == 3 and cfg["model_type"] == build(arch).config.model_type
+
+
+# --------------------------------------------------------------- 2. = the in-memory path
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3"])
+def test_fp32_streaming_output_is_byte_identical_to_quantize_and_save(arch, kit, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = kit.save_tiny(tmp_path / "src", arch, dtype=torch.float32)
+    kit.stream(src, tmp_path / "streamed")
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    report = optq.quantize(model, kit.tokens(n=6, seqlen=16), kit.CFG, progress=False)
+    optq.save(model, tmp_path / "saved", solutions=report.solutions, max_shard_size=kit.SHARD)
+
+    streamed, saved = kit.folder_bytes(tmp_path / "streamed"), kit.folder_bytes(tmp_path / "saved")
+    weights = sorted(k for k in saved if k.endswith(".safetensors") or k == INDEX)
+    assert len(weights) >= 3  # several shards and the index
+    assert sorted(k for k in streamed if k.endswith(".safetensors") or k == INDEX) == weights
+    for name in [*weights, "quantize_config.json"]:
+        assert streamed[name] == saved[name], name
+    # config.json: optq.save writes transformers' full to_dict(); the stream keeps the source's
+    # file as stored. Both carry the same quantization_config.
+    s_cfg, m_cfg = json.loads(streamed["config.json"]), json.loads(saved["config.json"])
+    assert s_cfg["quantization_config"] == m_cfg["quantization_config"]
+    assert {k: v for k, v in s_cfg.items() if k != "quantization_config"} == json.loads((src / "config.json").read_text())
+    # The same layer statistics as the in-memory run.
+    s_rep = json.loads(streamed[kit.REPORT])
+    assert set(s_rep["layers"]) == set(report.layers)
+    for name, row in report.layers.items():
+        assert s_rep["layers"][name]["objective"] == row.objective, name
+
+
+# ------------------------------------------------------- 3. nothing read before it is needed
+def test_each_block_is_read_once_after_the_previous_block_is_written(kit, tmp_path, monkeypatch):
+    src = kit.save_tiny(tmp_path / "src", "llama", dtype=torch.bfloat16, layers=3)
+    index = read_index(src)
+    head = [k for k in index if k.startswith("lm_head.")]
+    assert head, "the tiny llama must have an untied head for this test"
+    events: list[tuple] = []
+    holder: dict = {}
+
+    def is_meta_block(j: int) -> bool:
+        return all(p.is_meta for p in holder["model"].model.layers[j].parameters())
+
+    orig_skeleton, orig_read = SafetensorsSource.skeleton, SafetensorsSource.read
+    orig_write, orig_commit = Journal.write_block, Journal.commit
+    orig_assemble = stream_mod.write_safetensors_lazily
+
+    def skeleton(self, *a, **k):
+        holder["source"], holder["model"] = self, orig_skeleton(self, *a, **k)
+        assert all(p.is_meta for p in holder["model"].parameters())  # no weight materialised
+        return holder["model"]
+
+    def read(self, name):
+        if name.startswith("model.layers.") and "assemble" not in [e[0] for e in events]:
+            i = int(name.split(".")[2])
+            # While block i is read, every other block is still (or again) on the meta device.
+            assert all(is_meta_block(j) for j in range(3) if j != i), name
+        events.append(("read", name))
+        return orig_read(self, name)
+
+    def write_block(self, i, tensors):
+        # Block i is released before its packed tensors are written: all blocks are meta now.
+        assert all(is_meta_block(j) for j in range(3)), i
+        assert all(p.is_meta for p in holder["model"].lm_head.parameters())
+        events.append(("write", i))
+        return orig_write(self, i, tensors)
+
+    def commit(self, done, *a, **k):
+        events.append(("commit", done))
+        return orig_commit(self, done, *a, **k)
+
+    def assemble(*a, **k):
+        events.append(("assemble",))
+        return orig_assemble(*a, **k)
+
+    monkeypatch.setattr(SafetensorsSource, "skeleton", skeleton)
+    monkeypatch.setattr(SafetensorsSource, "read", read)
+    monkeypatch.setattr(Journal, "write_block", write_block)
+    monkeypatch.setattr(Journal, "commit", commit)
+    monkeypatch.setattr(stream_mod, "write_safetensors_lazily", assemble)
+    kit.stream(src, tmp_path / "out")
+
+    at = {e: n for n, e in enumerate(events)}  # an event's (last) position
+    start = at[("assemble",)]
+    before = [e[1] for e in events[:start] if e[0] == "read"]
+    after = [e[1] for e in events[start:] if e[0] == "read"]
+    for i in range(3):
+        block = sorted(k for k in index if k.startswith(f"model.layers.{i}."))
+        # Every tensor of block i is read exactly once before the assembly (block 0 too: the
+        # capture of the first block's inputs and its quantization share one load).
+        assert sorted(k for k in before if k.startswith(f"model.layers.{i}.")) == block, i
+        first = min(n for n, e in enumerate(events) if e[0] == "read" and e[1].startswith(f"model.layers.{i}."))
+        last = max(n for n, e in enumerate(events[:start]) if e[0] == "read" and e[1].startswith(f"model.layers.{i}."))
+        assert last < at[("write", i)] < at[("commit", i + 1)] < start
+        if i > 0:  # block i is not read before block i-1 is written and committed
+            assert at[("write", i - 1)] < at[("commit", i)] < first, i
+    assert not [k for k in before if k.startswith("lm_head.")]  # the head waits for the assembly
+    assert sorted(before) == sorted(set(before))
+    # The assembly copies every tensor that is not replaced by packed ones, once.
+    quantized = set(_quantized_names_layers(3))
+    assert len(quantized) == 21
+    assert sorted(after) == sorted(k for k in index if k.rsplit(".", 1)[0] not in quantized)
+    # The source's own counter agrees: nothing read more than twice (blocks' norms: load + copy).
+    loaded = holder["source"].loaded
+    assert set(loaded) == set(index) and max(loaded.values()) <= 2
+    assert all(loaded[k] == 1 for k in index if k.rsplit(".", 1)[0] in quantized)
+
+
+def _quantized_names_layers(layers: int) -> list[str]:
+    """The tiny llama's block linears with ``layers`` blocks."""
+    first = [n.removeprefix("model.layers.0.") for n in _quantized_names("llama") if n.startswith("model.layers.0.")]
+    return [f"model.layers.{i}.{n}" for i in range(layers) for n in first]
+
+
+# ------------------------------------------------------------------- 7. refused sources
+class _Poison:
+    """Unpickling this creates a folder: proof that something unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_folder_of_pickled_weights_is_refused_without_unpickling(kit, tmp_path):
+    folder = tmp_path / "bin"
+    build("llama").config.save_pretrained(folder)
+    marker = tmp_path / "unpickled"
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Poison(marker)))
+    with pytest.raises(SourceError, match="never unpickles") as err:
+        kit.stream(folder, tmp_path / "out")
+    assert isinstance(err.value, ValueError) and "pytorch_model.bin" in str(err.value)
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_shard_named_in_the_index_but_missing_is_named(kit, tmp_path):
+    src = kit.save_tiny(tmp_path / "src", "llama", dtype=torch.bfloat16)
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    shards[1].unlink()
+    with pytest.raises(ValueError, match=shards[1].name):
+        kit.stream(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+# ------------------------------------------------------------------------------ 8. the GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_streaming_matches_the_cpu_streaming_output(kit, tmp_path):
+    src = kit.save_tiny(tmp_path / "src", "llama", dtype=torch.bfloat16)
+    kit.stream(src, tmp_path / "cpu")
+    # float32 block forwards on the GPU: the same problem as on the CPU, so close logits.
+    kit.stream(src, tmp_path / "gpu32", device="cuda", compute_dtype=torch.float32)
+    # The default on CUDA: forwards in the source dtype (bf16).
+    report = kit.stream(src, tmp_path / "gpu", device="cuda")
+    assert report.options["compute_dtype"] == "bfloat16"
+    ids = kit.tokens(n=2, seqlen=16)
+    with torch.no_grad():
+        ref = optq.load(tmp_path / "cpu")(ids).logits
+        for name, tol in (("gpu32", 0.05), ("gpu", 0.5)):
+            model = optq.load(tmp_path / name, device="cuda")
+            logits = model(ids.cuda()).logits.float().cpu()
+            assert torch.isfinite(logits).all(), name
+            err = (logits - ref).abs().max() / ref.abs().max()
+            assert err < tol, (name, float(err))
