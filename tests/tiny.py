@@ -63,3 +63,32 @@ def run(model: nn.Module, **kw):
     """``optq.quantize`` on 6 x 16 random tokens at 3 bits, group 16, without progress bars."""
     kw.setdefault("progress", False)
     return optq.quantize(model, kw.pop("calib", tokens(n=6, seqlen=16)), kw.pop("config", CFG), **kw)
+
+
+def assert_on_static_grid(name: str, original: torch.Tensor, weight: torch.Tensor, sol, bits: int,
+                          group_size: int, tol: float = 1e-4) -> None:
+    """Check a quantized weight against a symmetric grid computed here, independently of the
+    library, from the ORIGINAL weight: with static groups each group's grid is fitted up front,
+    so scale = 2·absmax/maxq over the row's group of original columns and zero = 2^(bits-1).
+
+    Every weight must be scale·(q - zero) for an integer q in [0, maxq] (w/scale + zero within
+    ``tol`` of an integer), and the solution's scales, zeros, codes and g_idx must be these.
+    """
+    maxq = 2**bits - 1
+    w0 = original.double()
+    rows, cols = w0.shape
+    gidx = torch.arange(cols) // group_size
+    groups = int(gidx.max()) + 1
+    absmax = torch.stack([w0[:, g * group_size : (g + 1) * group_size].abs().amax(1) for g in range(groups)], 1)
+    assert bool((absmax > 0).all()), name
+    scale = 2 * absmax / maxq  # [rows, groups]
+    zero = 2 ** (bits - 1)
+    q = weight.double() / scale[:, gidx] + zero
+    codes = q.round()
+    off = float((q - codes).abs().max())
+    assert off < tol, f"{name}: a weight lies {off:.3g} grid steps off its grid"
+    assert int(codes.min()) >= 0 and int(codes.max()) <= maxq, name
+    assert torch.equal(sol.g_idx.long(), gidx), name
+    assert torch.equal(sol.zeros.long(), torch.full((rows, groups), zero)), name
+    torch.testing.assert_close(sol.scales.double(), scale, rtol=1e-6, atol=0, msg=name)
+    assert torch.equal(sol.codes.long(), codes.long()), name

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import optq
+from optq.core import solver
 from optq.formats.linears import find_linears
 from optq.pipeline import capture, memory
 from optq.pipeline.memo import Memo
@@ -158,15 +159,38 @@ def test_replays_stop_right_after_the_groups_input():
     assert hess.count == 2 * 8
 
 
-def test_pipeline_solutions_recompute_their_codes_exactly():
+def test_pipeline_solutions_recompute_their_codes_exactly(monkeypatch):
+    # The solver's own codes, copied before the pipeline slices the stacked solutions per layer
+    # and drops their codes: what a checkpoint gets must be these, not codes re-derived from a
+    # weight that might have drifted off them.
+    solved = []
+    real = solver.gptq
+
+    def keep_codes(W, H, config):
+        sol = real(W, H, config)
+        solved.append((W.shape[0], sol.codes.clone(), sol.weight.clone()))
+        return sol
+
+    monkeypatch.setattr(solver, "gptq", keep_codes)
     model = build("llama")
-    fresh = optq.gptq(torch.randn(8, 64), torch.eye(64), optq.QuantConfig(bits=4, group_size=16))
+    fresh = real(torch.randn(8, 64), torch.eye(64), optq.QuantConfig(bits=4, group_size=16))
     assert fresh.__dict__["_codes"] is not None  # a direct solve keeps its codes
     report = _run(model, config=optq.QuantConfig(bits=4, group_size=16))
-    for name, sol in report.solutions.items():
-        assert sol.__dict__["_codes"] is None, name  # the pipeline holds no second copy
-        assert sol.codes.dtype == torch.uint8
-        assert torch.equal(sol.dequantize().to(sol.weight.dtype), sol.weight), name
+    names = list(report.solutions)  # in solve order; a group's layers are its stacked rows
+    assert len(solved) == 8
+    for rows, codes, weight in solved:
+        row = 0
+        while row < rows:
+            name = names.pop(0)
+            sol = report.solutions[name]
+            n = sol.weight.shape[0]
+            assert torch.equal(sol.weight, weight[row : row + n]), name  # the rows are this layer's
+            assert sol.__dict__["_codes"] is None, name  # the pipeline holds no second copy
+            assert sol.codes.dtype == torch.uint8
+            assert torch.equal(sol.codes, codes[row : row + n]), name
+            row += n
+        assert row == rows
+    assert names == []
 
 
 def test_drop_codes_refuses_when_the_weight_no_longer_matches():

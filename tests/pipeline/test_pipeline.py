@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from optq.formats.linears import find_linears, get_weight
 from optq.pipeline.discovery import find_blocks
 
 pytest.importorskip("transformers")
-from tiny import ARCHS, CFG, VOCAB, build, tokens  # noqa: E402
+from tiny import ARCHS, CFG, VOCAB, assert_on_static_grid, build, tokens  # noqa: E402
 from tiny import run as _run  # noqa: E402
 
 
@@ -27,23 +28,24 @@ def _outside_blocks(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if id(p) not in inside}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_quantize_puts_every_linear_on_the_grid(arch):
+@pytest.mark.parametrize("arch, normalize_tokens", [(a, True) for a in ARCHS] + [("llama", False), ("gpt2", False)])
+def test_quantize_puts_every_linear_on_the_grid(arch, normalize_tokens):
     model = build(arch)
     before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
     untouched = _outside_blocks(model)
-    report = _run(model)
+    cfg = dataclasses.replace(CFG, normalize_tokens=normalize_tokens)
+    report = _run(model, config=cfg)
     linears = _block_linears(model)
+    assert cfg.act_order and cfg.static_groups and cfg.sym  # the grid checked below
+    assert report.config["normalize_tokens"] is normalize_tokens
     assert set(report.layers) == set(linears) == set(report.solutions)
     for name, mod in linears.items():
         w, sol = get_weight(mod), report.solutions[name]
         assert not torch.equal(w, before[name]), name
         assert torch.equal(w, sol.weight), name
-        assert torch.equal(sol.dequantize().to(w.dtype), w), name
-        # at most 2^bits distinct values in each row of each group
-        for g in range(int(sol.g_idx.max()) + 1):
-            cols = w[:, sol.g_idx == g]
-            assert max(len(torch.unique(row)) for row in cols) <= 2**CFG.bits, name
+        # The grid is computed here from the ORIGINAL weights (static groups fit it up front),
+        # not read back from the solution: every weight must lie on it, codes and scales included.
+        assert_on_static_grid(name, before[name], w, sol, CFG.bits, CFG.group_size)
         assert report.layers[name].shape == tuple(w.shape)
         assert report.layers[name].tokens == 6 * 16
     for n, p in _outside_blocks(model).items():  # embeddings, norms, head
