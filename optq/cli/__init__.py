@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or argparse's own usage error (printed)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     verbose = getattr(args, "verbose", 0) or 0
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    # Other libraries' INFO lines (matplotlib's font cache, ...) stay quiet: only optq's own
+    # logger speaks at INFO, or DEBUG with -v.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("optq").setLevel(logging.DEBUG if verbose else logging.INFO)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
