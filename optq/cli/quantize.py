@@ -91,6 +91,9 @@ def register(subparsers: Any) -> None:
     o.add_argument("--overwrite", action="store_true",
                    help="replace OUT if it exists, and start an unfinished OUT.partial/ again")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--dry-run", action="store_true",
+                   help="print the plan (blocks and linears, predicted peak RAM by term, disk, a "
+                   "rough time) without reading any weight, and stop")
     p.set_defaults(func=run)
 
 
@@ -160,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     out = Path(args.output)
     config = config_from_args(args)
-    check_output(out, args.overwrite)
+    if not args.dry_run:
+        check_output(out, args.overwrite)
     check_text_source(args.calib)
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -180,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         check_seqlen(args.seqlen, max_positions(hf_config))
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if args.dry_run:
+        return _dry_run(folder, args, config)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokens = _calibration_tokens(args.calib, tokenizer)
     load_s = time.perf_counter() - t0
@@ -194,6 +200,28 @@ def run(args: argparse.Namespace) -> int:
     )
     print(summary(report))
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all, {load_s:.1f} s preparing)")
+    return 0
+
+
+def _dry_run(folder: Path, args: argparse.Namespace, config: Any) -> int:
+    import torch
+
+    from optq.pipeline.plan import plan
+    from optq.pipeline.source import SafetensorsSource
+
+    try:
+        # As a run would: float32 on CPU unless asked, the source dtype on CUDA.
+        if args.compute_dtype:
+            dtype = getattr(torch, args.compute_dtype)
+        else:
+            dtype = SafetensorsSource(folder).dtype if str(args.device).startswith("cuda") else torch.float32
+        the_plan = plan(folder, nsamples=args.nsamples, seqlen=args.seqlen, config=config,
+                        batch_size=args.batch_size, propagate=args.propagate, strategy=args.strategy,
+                        include=args.include, exclude=args.exclude, format=args.format,
+                        max_shard_size=args.max_shard_size, method=args.method, compute_dtype=dtype)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(the_plan.format())
     return 0
 
 

@@ -72,7 +72,6 @@ class SafetensorsSource:
             raise SourceError(f"{self.folder} is already quantized ({self.config_dict['quantization_config'].get('quant_method')}); quantize the original model")
         self.index = read_index(self.folder)
         self.loaded: Counter[str] = Counter()
-        self._files: dict[str, Any] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,28 +108,24 @@ class SafetensorsSource:
         return model.eval()
 
     # ------------------------------------------------------------------------------- tensors
-    def _file(self, fname: str) -> Any:
-        handle = self._files.get(fname)
-        if handle is None:
-            handle = self._files[fname] = safe_open(str(self.folder / fname), framework="pt")
-        return handle
-
     def read(self, name: str) -> torch.Tensor:
-        """One tensor as stored (source dtype, CPU)."""
+        """One tensor as stored (source dtype, CPU), in memory of its own.
+
+        The file is opened for this read only and the tensor copied out of its mapping: a
+        handle kept open would keep every page ever read resident, so memory would grow with
+        the model instead of staying at one block.
+        """
         try:
             fname = self.index[name][0]
         except KeyError:
             raise SourceError(f"{self.folder} has no tensor {name}") from None
         try:
-            tensor = self._file(fname).get_tensor(name)
+            with safe_open(str(self.folder / fname), framework="pt") as f:
+                tensor = f.get_tensor(name).clone()
         except Exception as exc:  # safetensors raises its own error types for damaged files
             raise CheckpointError(f"{self.folder / fname}: cannot read {name} ({exc}); the file is truncated or corrupt") from None
         self.loaded[name] += 1
         return tensor
-
-    def close(self) -> None:
-        """Close the open shard files."""
-        self._files.clear()
 
     def tensor_names(self, module: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
         """Checkpoint key -> the module's tensor names that hold it (tied parameters share one key).

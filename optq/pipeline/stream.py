@@ -138,8 +138,10 @@ def quantize_pretrained(
             _buffers_to(model, device)  # rotary tables
             src.load(blocks[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
             hidden, calls = capture.capture_inputs(model, blocks, run.batches, device)
+            src.release(model, skip=(f"{prefix}.",))  # the embeddings served the capture only
             if journal.done:
                 src.release(blocks[0])
+                hidden.clear()  # the journal's activations replace the captured ones
                 hidden = [h.to(device) for h in journal.activations()]
             if offload_activations:
                 hidden = journal.offload(hidden)
@@ -156,7 +158,6 @@ def quantize_pretrained(
     with journal.writing(journal.folder):
         _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
         journal.finish()
-    src.close()
     log.info("wrote %s in %.1f s", journal.out, report.seconds)
     return report
 
@@ -219,18 +220,15 @@ def _assemble(src: SafetensorsSource, journal: Journal, qconfig: dict[str, Any],
             continue  # the layer's weight (and bias) are in its packed tensors
         sizes[key] = src.nbytes([key])
     sizes.update({k: v[1] for k, v in packed.items()})
-    handles: dict[Path, Any] = {}
-
     def fetch(key: str) -> torch.Tensor:
+        # Each tensor copied out of a file opened just for it: mapped pages of open files would
+        # stay resident, and the assembly would hold the whole output instead of one shard.
         if key in packed:
-            path = packed[key][0]
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt")
-            return handles[path].get_tensor(key)
+            with safe_open(str(packed[key][0]), framework="pt") as f:
+                return f.get_tensor(key).clone()
         return src.read(key)
 
     write_safetensors_lazily(folder, dict(sorted(sizes.items())), fetch, max_shard_size)
-    handles.clear()
     config = {k: v for k, v in src.config_dict.items() if k != "quantization_config"}
     config["quantization_config"] = qconfig
     write_json(folder / "config.json", config)

@@ -1,0 +1,163 @@
+"""The dry-run plan: its terms against hand computations from the config, its listing against
+find_linears, its disk prediction against a real streaming run, and no tensor data read."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import build, tokens
+
+import optq
+from optq.formats.linears import find_linears
+from optq.pipeline import plan as plan_mod
+from optq.pipeline.plan import RUNTIME_BYTES, plan
+from optq.pipeline.source import SafetensorsSource
+from optq.pipeline.stream import quantize_pretrained
+
+CFG = optq.QuantConfig(bits=4, group_size=16)
+SPEED = {"flops": 1e10, "solve_unit": 1e-10}  # fixed: no timing in the tests
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "llama"
+    build("llama").to(torch.bfloat16).save_pretrained(path, max_shard_size="20KB")
+    return path
+
+
+def _plan(source, **kw):
+    kw.setdefault("nsamples", 6)
+    kw.setdefault("seqlen", 16)
+    kw.setdefault("config", CFG)
+    return plan(source, speed=SPEED, **kw)
+
+
+def test_terms_equal_hand_computation(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    h, i, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    n, seqlen, batch = 6, 16, 4
+    p = _plan(folder, nsamples=n, seqlen=seqlen, batch_size=batch)
+    T = n * seqlen
+    assert p.ram["runtime"] == RUNTIME_BYTES
+    assert p.ram["activations"] == T * h * 4
+    assert p.ram["recorded outputs (replay)"] == T * h * 4
+    assert "original outputs" not in p.ram
+    assert p.ram["batch temporaries"] == batch * seqlen * (3 * i + 3 * h) * 4
+    # One Llama block: q, o (h x h), k, v (kv x h), gate, up (i x h), down (h x i), two norms.
+    block = 2 * h * h + 2 * kv * h + 3 * i * h + 2 * h
+    assert p.ram["one block"] == block * 4
+    # Untied head: not loaded during the blocks; the embeddings and final norm are, in float32.
+    assert cfg["tie_word_embeddings"] is False
+    assert p.capture["embeddings (+ norm)"] == (vocab * h + h) * 4
+    # The largest solve: gate+up (rows 2i, K=h) or down (rows h, K=i), with its Hessian.
+    solve = max((K * K + 5 * R * K + 4 * K * K) * 4 for R, K in [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)])
+    assert p.ram["hessian + solve"] == solve
+    assert p.peak_ram == max(sum(p.capture.values()), sum(p.ram.values()), sum(p.assembly.values()))
+    assert p.disk["journal: activations (2 files while replaced)"] == 2 * T * h * 4
+
+
+def test_strategy_propagate_dtype_terms(folder):
+    h, i = 32, 64
+    T = 6 * 16
+    p = _plan(folder, strategy="pause", propagate="original", compute_dtype=torch.bfloat16)
+    assert p.ram["activations"] == T * h * 2
+    assert "recorded outputs (replay)" not in p.ram
+    assert p.ram["original outputs"] == T * h * 2
+    assert p.ram["paused forwards"] == T * (i + 2 * h) * 2
+
+
+def test_listing_matches_find_linears(folder):
+    p = _plan(folder, exclude="*.down_proj")
+    model = SafetensorsSource(folder).skeleton()
+    blocks = model.model.layers
+    assert p.blocks_name == "model.layers"
+    assert [b["name"] for b in p.blocks] == [f"model.layers.{k}" for k in range(len(blocks))]
+    for k, b in enumerate(p.blocks):
+        lin = find_linears(blocks[k], f"model.layers.{k}")
+        assert [x["name"] for x in b["linears"]] == list(lin)
+        for x in b["linears"]:
+            w = lin[x["name"]].weight
+            assert (x["out"], x["in"]) == tuple(w.shape)
+            assert x["quantized"] == (not x["name"].endswith("down_proj"))
+    text = p.format()
+    assert "mlp.down_proj" in text and "(kept)" in text and "predicted peak RAM" in text
+    assert json.loads(json.dumps(p.to_dict()))["peak_ram"] == p.peak_ram
+
+
+def _safetensors_sizes(folder: Path) -> tuple[int, int]:
+    """(tensor data bytes, header bytes) over the folder's safetensors files."""
+    data = header = 0
+    for f in folder.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header += 8 + n
+        data += len(raw) - 8 - n
+    return data, header
+
+
+@pytest.mark.parametrize("arch,shard", [("llama", "5GB"), ("qwen2", "8KB"), ("gpt2", "5GB")])
+def test_disk_prediction_matches_a_streaming_run(tmp_path, arch, shard):
+    src = tmp_path / "src"
+    build(arch).to(torch.bfloat16).save_pretrained(src, max_shard_size="20KB")
+    p = _plan(src, max_shard_size=shard)
+    out = tmp_path / "out"
+    quantize_pretrained(src, out, tokens(n=6, seqlen=16), CFG, max_shard_size=shard, progress=False)
+    data, _ = _safetensors_sizes(out)
+    assert p.disk["output tensors"] == data  # exact: every packed and copied tensor
+    assert (out / "model.safetensors.index.json").exists() == (shard == "8KB")
+    actual = sum(f.stat().st_size for f in out.iterdir())
+    assert abs(p.output_bytes - actual) < 4096, (p.output_bytes, actual)
+    # The packed part by hand: 4-bit codes, per-group fp16 scales and packed zeros, int32 g_idx.
+    model = SafetensorsSource(src).skeleton()
+    packed = 0
+    for name, mod in find_linears(model).items():
+        if ".layers." not in name and ".h." not in name:
+            continue
+        w = mod.weight if type(mod).__name__ != "Conv1D" else mod.weight.T
+        N, K = w.shape
+        groups = math.ceil(K / 16)
+        packed += K * N // 2 + groups * math.ceil(N / 8) * 4 + groups * N * 2 + K * 4
+        packed += N * 2 if getattr(mod, "bias", None) is not None else 0
+    assert p.disk["journal: packed blocks"] - packed == pytest.approx(0, abs=4096 * len(p.blocks))
+    assert p.disk["journal: packed blocks"] >= packed
+
+
+def test_config_dict_source_matches_folder(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    a, b = _plan(folder), _plan(cfg, source_dtype=torch.bfloat16)
+    assert a.ram == b.ram
+    assert a.disk["output tensors"] == b.disk["output tensors"]
+    assert [x["name"] for blk in a.blocks for x in blk["linears"]] == [x["name"] for blk in b.blocks for x in blk["linears"]]
+
+
+def test_tied_embeddings_count_once(tmp_path):
+    model = build("gemma3").to(torch.bfloat16)  # Gemma ties its head to the embeddings
+    model.save_pretrained(tmp_path / "g")
+    p = _plan(tmp_path / "g")
+    cfg = model.config
+    norms = cfg.hidden_size  # the final norm
+    assert p.capture["embeddings (+ norm)"] == (cfg.vocab_size * cfg.hidden_size + norms) * 4
+
+
+def test_plan_reads_no_tensor_data(folder, monkeypatch):
+    def refuse(self, name):
+        raise AssertionError(f"the plan read {name}")
+
+    monkeypatch.setattr(SafetensorsSource, "read", refuse)
+    monkeypatch.setattr(SafetensorsSource, "load", lambda *a, **k: refuse(None, "a module"))
+    p = _plan(folder)
+    assert p.peak_ram > RUNTIME_BYTES
+
+
+def test_time_estimate_scales_with_speed(folder):
+    slow = plan(folder, nsamples=6, seqlen=16, config=CFG, speed={"flops": 1e9, "solve_unit": 1e-9})
+    fast = plan(folder, nsamples=6, seqlen=16, config=CFG, speed={"flops": 1e10, "solve_unit": 1e-10})
+    for k in ("forwards", "hessians", "solves"):
+        assert slow.seconds[k] == pytest.approx(10 * fast.seconds[k])
+    assert plan_mod.machine_speed()["flops"] > 0
