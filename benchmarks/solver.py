@@ -78,7 +78,7 @@ def main() -> None:
     W = torch.randn(n, n) * 0.02
 
     def hessian():
-        h = optq.Hessian(n)
+        h = optq.Hessian(n, normalize_tokens=False)  # the paper's H, as in results/solver.json
         h.update(X)
         return h.matrix()
 
