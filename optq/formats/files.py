@@ -195,13 +195,17 @@ def _remove(path: Path) -> None:
 
 
 def _set_modes(folder: Path) -> None:
-    """Every file 0644, every folder 0755 (``save_file`` writes 0600, ``mkstemp`` too)."""
+    """Every file 0644, every folder 0755 (``save_file`` writes 0600, ``mkstemp`` too).
+
+    Symbolic links are left alone: chmod would follow them, and a link may dangle (a Debian
+    package unpacked here links into a package it depends on).
+    """
     os.chmod(folder, _DIR_MODE)
     for root, dirs, files in os.walk(folder):
-        for d in dirs:
-            os.chmod(os.path.join(root, d), _DIR_MODE)
-        for f in files:
-            os.chmod(os.path.join(root, f), _FILE_MODE)
+        for name, mode in [*((d, _DIR_MODE) for d in dirs), *((f, _FILE_MODE) for f in files)]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode)
 
 
 def _clean_stale(target: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -228,3 +229,23 @@ def test_inspect_truncated_file_is_one_line(tmp_path: Path, model_and_solutions,
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1
     assert "model.safetensors is truncated or corrupt" in err
+
+
+def test_atomic_folder_leaves_links_alone(tmp_path: Path) -> None:
+    # A Debian package unpacked into the cache holds links into packages it depends on, which
+    # dangle here; setting modes must neither follow them nor fail on them.
+    from optq.formats.files import atomic_folder
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not ours")
+    os.chmod(outside, 0o600)
+    with atomic_folder(tmp_path / "pkg", overwrite=False) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "data.txt").write_text("ours")
+        os.chmod(tmp / "sub" / "data.txt", 0o600)
+        os.symlink("../missing/README.md.gz", tmp / "sub" / "README.md.gz")
+        os.symlink(outside, tmp / "link.txt")
+    folder = tmp_path / "pkg"
+    assert stat.S_IMODE((folder / "sub" / "data.txt").stat().st_mode) == 0o644
+    assert (folder / "sub" / "README.md.gz").is_symlink()
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o600
