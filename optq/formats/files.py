@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 __all__ = [
     "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_header", "read_index", "read_tensors", "atomic_folder",
-    "atomic_write", "write_json", "write_safetensors_lazily",
+    "atomic_write", "write_json", "write_safetensors_lazily", "write_safetensors_file", "split_shards",
 ]
 
 
@@ -57,18 +56,12 @@ def write_json(path: Path, obj: Any) -> None:
 
 def write_safetensors(folder: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | str) -> list[str]:
     """Write ``tensors`` as one file or as shards plus index; returns the file names written."""
-    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    return write_safetensors_lazily(folder, sizes, tensors.__getitem__, max_shard_size)
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    return write_safetensors_lazily(folder, specs, tensors.__getitem__, max_shard_size)
 
 
-def write_safetensors_lazily(folder: Path, sizes: Mapping[str, int], fetch: Callable[[str], torch.Tensor],
-                             max_shard_size: int | str) -> list[str]:
-    """Like :func:`write_safetensors`, holding one shard in memory at a time.
-
-    ``sizes``: tensor name -> bytes, in the order to write; ``fetch(name)`` gives the tensor when
-    its shard is written. The same names and sizes give the same files as ``write_safetensors``.
-    """
-    limit = parse_size(max_shard_size)
+def split_shards(sizes: Mapping[str, int], limit: int) -> list[list[str]]:
+    """Names in the given order, cut into shards of at most ``limit`` bytes (a larger tensor alone)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, nbytes in sizes.items():
@@ -77,17 +70,78 @@ def write_safetensors_lazily(folder: Path, sizes: Mapping[str, int], fetch: Call
             size = 0
         shards[-1].append(name)
         size += nbytes
+    return shards
+
+
+def write_safetensors_lazily(folder: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                             fetch: Callable[[str], torch.Tensor], max_shard_size: int | str) -> list[str]:
+    """Like :func:`write_safetensors`, holding one tensor in memory at a time.
+
+    ``specs``: tensor name -> (shape, dtype), in the order to shard; ``fetch(name)`` gives the
+    tensor when it is written. The same specs give the same files as ``write_safetensors``.
+    """
+    limit = parse_size(max_shard_size)
+    sizes = {name: _nbytes(shape, dtype) for name, (shape, dtype) in specs.items()}
+    shards = split_shards(sizes, limit)
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file({n: fetch(n) for n in shards[0]}, str(folder / SINGLE), metadata=meta)
+        write_safetensors_file(folder / SINGLE, {n: specs[n] for n in shards[0]}, fetch, meta)
         return [SINGLE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for fname, shard in zip(names, shards):
-        save_file({n: fetch(n) for n in shard}, str(folder / fname), metadata=meta)
+        write_safetensors_file(folder / fname, {n: specs[n] for n in shard}, fetch, meta)
         weight_map.update({k: fname for k in shard})
     write_json(folder / INDEX, {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
     return [*names, INDEX]
+
+
+# safetensors lays a file's data out by dtype, in the reverse order of its Dtype enum (8-byte
+# kinds first), then by name; following it gives the bytes that ``safetensors.torch.save_file``
+# writes (checked by the tests against the installed safetensors).
+_ORDER = {torch.bool: 0, torch.uint8: 4, torch.int8: 5, torch.int16: 9, torch.float16: 11, torch.bfloat16: 12,
+          torch.int32: 13, torch.float32: 15, torch.float64: 17, torch.int64: 18}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def write_safetensors_file(path: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                           fetch: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file, written one tensor at a time: the header from ``specs`` (name ->
+    (shape, dtype)), then each tensor's bytes as ``fetch(name)`` gives it.
+
+    ``save_file`` takes every tensor of the file at once, so its caller holds a whole shard (5 GB
+    by default); this holds one tensor, and writes the same bytes.
+    """
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors is little-endian; writing on a big-endian machine is not supported")
+    for name, (_, dtype) in specs.items():
+        if dtype not in _ORDER:
+            raise CheckpointError(f"tensor {name}: dtype {dtype} cannot be written to safetensors here")
+    order = sorted(specs, key=lambda n: (-_ORDER[specs[n][1]], n))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        shape, dtype = specs[name]
+        end = offset + _nbytes(shape, dtype)
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for name in order:
+            tensor = fetch(name)
+            if tuple(tensor.shape) != tuple(specs[name][0]) or tensor.dtype != specs[name][1]:
+                raise CheckpointError(f"tensor {name}: expected {tuple(specs[name][0])} {specs[name][1]}, "
+                                      f"got {tuple(tensor.shape)} {tensor.dtype}")
+            if tensor.numel():
+                fh.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            del tensor
 
 
 def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
@@ -195,7 +249,7 @@ def _remove(path: Path) -> None:
 
 
 def _set_modes(folder: Path) -> None:
-    """Every file 0644, every folder 0755 (``save_file`` writes 0600, ``mkstemp`` too).
+    """Every file 0644, every folder 0755 (``mkstemp`` writes 0600).
 
     Symbolic links are left alone: chmod would follow them, and a link may dangle (a Debian
     package unpacked here links into a package it depends on).

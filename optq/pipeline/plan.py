@@ -25,7 +25,8 @@ smaller than the group the pipeline discovers, so the solve terms are upper boun
                + hessian + solve          max over groups of K^2 x 4 + (5 R K + 4 K^2) x 4
                                           (measured on this machine for optq.gptq: the factor,
                                           its inverse and the working copies of the stacked rows)
-  assembly       runtime + the largest output shard (gathered before it is written)
+  assembly       runtime + twice the largest output tensor (written one tensor at a time:
+                 each is read from its mapped file and copied out)
 disk = the output (packed tensors: qweight bits/8 per weight, scales float16 and qzeros per
 group, g_idx int32 per input, bias float16; every other tensor as stored; headers, index,
 config and copied files) + the journal (the packed blocks, and two activation files of
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.formats.files import parse_size
+from optq.formats.files import parse_size, split_shards
 from optq.formats.linears import find_linears, get_weight
 from optq.formats.packing import packed_length
 from optq.pipeline.discovery import find_blocks, select_names
@@ -340,7 +341,7 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
     replaced = {k.rsplit(".", 1)[0] for k in packed}
     entries = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] not in replaced}
     entries.update(packed)
-    shards = _shards(entries, parse_size(max_shard_size))
+    shards = split_shards({k: entries[k][2] for k in sorted(entries)}, parse_size(max_shard_size))
     headers = sum(_header_bytes({k: entries[k] for k in s}) for s in shards)
     tensor_bytes = sum(v[2] for v in entries.values())
     natural = not config.act_order or bool(config.static_groups)
@@ -362,8 +363,8 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
         _header_bytes({k: v for k, v in packed.items() if k.startswith(f"{blocks_name}.{i}.")}) for i in range(len(blocks)))
     disk = {"output tensors": tensor_bytes, "output headers, config, report, copied files": headers + small,
             "journal: packed blocks": block_files, "journal: activations (2 files while replaced)": 2 * act}
-    largest_shard = max(sum(entries[k][2] for k in s) for s in shards)
-    assembly = {"runtime": RUNTIME_BYTES, "largest output shard": largest_shard}
+    largest = max((v[2] for v in entries.values()), default=0)
+    assembly = {"runtime": RUNTIME_BYTES, "largest output tensor (mapped + copied)": 2 * largest}
 
     sp = speed or machine_speed()
     seconds = {"forwards": passes * (flops + attn_flops) / sp["flops"], "hessians": hess_flops / sp["flops"],
@@ -384,17 +385,3 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
 
 def _json_len(obj: Any) -> int:
     return len((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _shards(entries: dict[str, tuple[Any, str, int]], limit: int) -> list[list[str]]:
-    """The output's shards, split as ``optq.formats.files.write_safetensors_lazily`` splits them."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name in sorted(entries):
-        n = entries[name][2]
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    return shards

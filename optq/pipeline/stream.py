@@ -208,27 +208,27 @@ def _assemble(src: SafetensorsSource, journal: Journal, qconfig: dict[str, Any],
     folder = journal.final
     shutil.rmtree(folder, ignore_errors=True)  # a resumed assembly starts clean
     folder.mkdir()
-    packed: dict[str, tuple[Path, int]] = {}
+    packed: dict[str, Path] = {}
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for i in range(n_blocks):
         path = journal.block_file(i)
-        for key, (shape, dtype) in read_header(path).items():
-            packed[key] = (path, int(torch.Size(shape).numel()) * dtype.itemsize)
+        for key, spec in read_header(path).items():
+            packed[key] = path
+            specs[key] = spec
     replaced = {k.rsplit(".", 1)[0] for k in packed}  # quantized layers
-    sizes: dict[str, int] = {}
-    for key in src.index:
-        if key.rsplit(".", 1)[0] in replaced:
-            continue  # the layer's weight (and bias) are in its packed tensors
-        sizes[key] = src.nbytes([key])
-    sizes.update({k: v[1] for k, v in packed.items()})
+    for key, (_, shape, dtype) in src.index.items():
+        if key.rsplit(".", 1)[0] not in replaced:  # a quantized layer's weight is in its packed tensors
+            specs[key] = (tuple(shape), dtype)
+
     def fetch(key: str) -> torch.Tensor:
         # Each tensor copied out of a file opened just for it: mapped pages of open files would
-        # stay resident, and the assembly would hold the whole output instead of one shard.
+        # stay resident, and the assembly would hold the whole output instead of one tensor.
         if key in packed:
-            with safe_open(str(packed[key][0]), framework="pt") as f:
+            with safe_open(str(packed[key]), framework="pt") as f:
                 return f.get_tensor(key).clone()
         return src.read(key)
 
-    write_safetensors_lazily(folder, dict(sorted(sizes.items())), fetch, max_shard_size)
+    write_safetensors_lazily(folder, dict(sorted(specs.items())), fetch, max_shard_size)
     config = {k: v for k, v in src.config_dict.items() if k != "quantization_config"}
     config["quantization_config"] = qconfig
     write_json(folder / "config.json", config)

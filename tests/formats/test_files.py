@@ -249,3 +249,60 @@ def test_atomic_folder_leaves_links_alone(tmp_path: Path) -> None:
     assert stat.S_IMODE((folder / "sub" / "data.txt").stat().st_mode) == 0o644
     assert (folder / "sub" / "README.md.gz").is_symlink()
     assert stat.S_IMODE(outside.stat().st_mode) == 0o600
+
+
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "z.qweight": torch.randint(-2**31, 2**31 - 1, (6, 4), dtype=torch.int32, generator=g),
+        "a.scales": torch.randn(3, 5, generator=g).half(),
+        "m.weight": torch.randn(4, 7, generator=g).t(),  # not contiguous
+        "b.bf": torch.randn(9, generator=g).bfloat16(),
+        "c.ids": torch.arange(5, dtype=torch.int64),
+        "d.flag": torch.tensor([True, False, True]),
+        "e.bytes": torch.arange(7, dtype=torch.uint8),
+        "f.i8": torch.arange(-3, 3, dtype=torch.int8),
+        "g.scalar": torch.tensor(2.5),
+        "h.empty": torch.zeros(0, 3),
+        "i.f64": torch.randn(2, dtype=torch.float64, generator=g),
+        "j.i16": torch.arange(4, dtype=torch.int16),
+    }
+
+
+def test_streamed_file_has_save_files_bytes(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = _mixed_tensors()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    files.write_safetensors_file(tmp_path / "ours.safetensors", specs, tensors.__getitem__, {"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    back = load_file(str(tmp_path / "ours.safetensors"))
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_streamed_file_holds_one_tensor_at_a_time(tmp_path: Path) -> None:
+    import weakref
+
+    specs = {f"t{i}": ((64, 64), torch.float32) for i in range(5)}
+    alive: list[weakref.ref] = []
+
+    def fetch(name: str) -> torch.Tensor:
+        assert all(r() is None for r in alive), "the previous tensor is still held"
+        t = torch.full((64, 64), float(name[1:]))
+        alive.append(weakref.ref(t))
+        return t
+
+    files.write_safetensors_file(tmp_path / "x.safetensors", specs, fetch)
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert [float(back[f"t{i}"][0, 0]) for i in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_streamed_file_refuses_a_tensor_unlike_its_spec(tmp_path: Path) -> None:
+    specs = {"a": ((2, 3), torch.float32)}
+    with pytest.raises(CheckpointError, match=r"tensor a: expected \(2, 3\) torch.float32, got \(3, 2\)"):
+        files.write_safetensors_file(tmp_path / "x.safetensors", specs, lambda n: torch.zeros(3, 2))
+    with pytest.raises(CheckpointError, match="complex64 cannot be written"):
+        files.write_safetensors_file(tmp_path / "y.safetensors", {"c": ((1,), torch.complex64)}, lambda n: None)

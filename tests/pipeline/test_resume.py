@@ -125,26 +125,25 @@ def _before_assembly(mp, partial):
 
 
 def _mid_assembly(mp, partial):
-    orig_lazily, orig_save = stream_mod.write_safetensors_lazily, files.save_file
+    orig_write = files.write_safetensors_file
+    written = [0]
 
-    def lazily(*a, **k):
-        written = [0]
+    def write(path, specs, fetch, *a, **k):
+        if written[0] == 1:  # the first shard is on disk; the second dies half written
+            half = len(specs) // 2
+            fetched = [0]
 
-        def save_file(tensors, filename, *sa, **sk):
-            if written[0] == 1:  # the first shard is on disk, the second is half written
-                whole = Path(filename).with_name("whole.tmp")
-                orig_save(tensors, str(whole), *sa, **sk)
-                data = whole.read_bytes()
-                whole.unlink()
-                Path(filename).write_bytes(data[: len(data) // 2])
-                raise Kill
-            written[0] += 1
-            return orig_save(tensors, filename, *sa, **sk)
+            def dying(name):
+                if fetched[0] == half:
+                    raise Kill
+                fetched[0] += 1
+                return fetch(name)
 
-        mp.setattr(files, "save_file", save_file)
-        return orig_lazily(*a, **k)
+            return orig_write(path, specs, dying, *a, **k)
+        written[0] += 1
+        return orig_write(path, specs, fetch, *a, **k)
 
-    mp.setattr(stream_mod, "write_safetensors_lazily", lazily)
+    mp.setattr(files, "write_safetensors_file", write)
     return LAYERS
 
 
