@@ -195,6 +195,7 @@ def _solve_subset(
         outs = _row_objectives(W, sol.weight, H_plain)
         rtn_outs = outs if method == "rtn" else _row_objectives(W, rtn_W, H_plain)
         del H_plain
+    calibration = hess.token_stats()
     row = 0
     for name, mod, w in zip(subset, mods, weights):
         n = w.shape[0]
@@ -215,6 +216,7 @@ def _solve_subset(
             output_error=out,
             rtn_output_error=rtn_out,
             output_tokens=hess.plain_count,
+            calibration=calibration,
             seconds=seconds * n / W.shape[0],
             subset=index,
         )

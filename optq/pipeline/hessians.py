@@ -22,7 +22,7 @@ import torch
 
 from optq.core.hessian import Hessian
 
-__all__ = ["LayerHessians", "PLAIN_SAMPLE_EVERY"]
+__all__ = ["LayerHessians", "PLAIN_SAMPLE_EVERY", "token_energy_stats"]
 
 PLAIN_SAMPLE_EVERY = 16  # about one token in this many enters the plain Hessian
 
@@ -45,6 +45,11 @@ class LayerHessians:
         self.plain = Hessian(in_features, device=device, normalize_tokens=False) if normalize_tokens else None
         self.sample_every = PLAIN_SAMPLE_EVERY if sample_every is None else sample_every
         self.stride: int | None = None  # fixed at the first update, from its window length
+        # Each token's squared norm |x_t|² and its position in its window: the trace of the plain
+        # Hessian is their sum, so they show how much of it a few tokens own (the report's
+        # calibration statistics). One float per token and position: n x 8 bytes.
+        self._energy: list[torch.Tensor] = []
+        self._position: list[torch.Tensor] = []
 
     @property
     def count(self) -> int:
@@ -60,6 +65,12 @@ class LayerHessians:
         """Add the tokens of ``x`` ([..., in_features]; ``[batch, length, features]`` for windows)."""
         seen = self.main.count
         self.main.update(x)  # checks the shape and that every value is finite
+        # A reduction, no copy of x: |x_t| in float32, then squared.
+        energy = torch.linalg.vector_norm(x.detach().reshape(-1, x.shape[-1]), dim=1, dtype=torch.float32).pow_(2)
+        self._energy.append(energy.cpu())
+        if x.dim() >= 3:  # [..., length, features]: windows, so positions are known
+            length = x.shape[-2]
+            self._position.append(torch.arange(length, dtype=torch.int32).repeat(energy.numel() // length))
         if self.plain is None:
             return
         if self.stride is None:
@@ -70,6 +81,12 @@ class LayerHessians:
         if first < flat.shape[0]:
             self.plain.update(flat[first :: self.stride])
 
+    def token_stats(self) -> dict[str, float | int | None]:
+        """How concentrated the plain Hessian's trace is on a few tokens: see :func:`token_energy_stats`."""
+        energy = torch.cat(self._energy) if self._energy else torch.zeros(0)
+        positions = torch.cat(self._position) if len(self._position) == len(self._energy) and self._position else None
+        return token_energy_stats(energy, positions)
+
     def matrix(self) -> torch.Tensor:
         """The solver's Hessian."""
         return self.main.matrix()
@@ -77,3 +94,36 @@ class LayerHessians:
     def plain_matrix(self) -> torch.Tensor | None:
         """2 X Xᵀ / n of the sampled raw tokens; None without normalisation (then it is ``matrix()``)."""
         return None if self.plain is None else self.plain.matrix()
+
+
+def token_energy_stats(energy: torch.Tensor, positions: torch.Tensor | None = None) -> dict[str, float | int | None]:
+    """Shares of Σ_t |x_t|² (the trace of the plain Hessian, up to 2/n) owned by a few tokens.
+
+    ``energy``: each token's squared norm; ``positions``: each token's position in its window
+    (None when unknown). Returns ``tokens``; ``top1pct_share``, the share of the largest 1% of
+    tokens (at least one); ``position0_share``, the share of the tokens at position 0, against
+    ``position0_tokens``, their share of the tokens; ``max_over_median``, the largest squared
+    norm over the median one. Without normalisation a few massive-activation tokens (often the
+    first of each window) own most of H; that is what these numbers show per layer.
+    """
+    n = int(energy.numel())
+    if n == 0:
+        return {"tokens": 0, "top1pct_share": None, "position0_share": None, "position0_tokens": None,
+                "max_over_median": None}
+    e = energy.double()
+    total = float(e.sum())
+    k = max(1, math.ceil(n / 100))
+    top = float(torch.topk(e, k).values.sum())
+    median = float(e.median())
+    stats: dict[str, float | int | None] = {
+        "tokens": n,
+        "top1pct_share": top / total if total > 0 else None,
+        "position0_share": None,
+        "position0_tokens": None,
+        "max_over_median": float(e.max()) / median if median > 0 else None,
+    }
+    if positions is not None and positions.numel() == n:
+        first = positions == 0
+        stats["position0_share"] = float(e[first].sum()) / total if total > 0 else None
+        stats["position0_tokens"] = float(first.double().mean())
+    return stats

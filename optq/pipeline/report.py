@@ -42,6 +42,10 @@ class LayerReport:
     time where all tokens would cost 24%. Without ``normalize_tokens`` it equals the objective,
     on every token, at no cost.
 
+    ``calibration`` says how concentrated the layer's calibration input is on a few tokens
+    (``optq.pipeline.hessians.token_energy_stats``): the share of Σ|x_t|² owned by the top 1% of
+    tokens and by the tokens at position 0.
+
     ``seconds`` is the layer's share, by rows, of its subset's Hessian pass and solve.
     """
 
@@ -58,6 +62,7 @@ class LayerReport:
     output_error: float | None = None
     rtn_output_error: float | None = None
     output_tokens: int | None = None
+    calibration: dict[str, Any] | None = None
 
     @property
     def gain(self) -> float:

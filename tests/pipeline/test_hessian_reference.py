@@ -96,3 +96,71 @@ def test_every_hessian_matches_a_whole_model_forward(monkeypatch, normalize_toke
         err = float((H.double() - ref).norm() / ref.norm())
         assert err < 1e-5, f"{name}: relative Frobenius error {err:.3g}"
         torch.testing.assert_close(H.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()), msg=name)
+
+
+def _reference_inputs(state: dict, block: int, linear: str, calib: torch.Tensor) -> torch.Tensor:
+    """The raw inputs [windows, length, features] of ``linear`` over a whole-model forward."""
+    model = _model()
+    model.load_state_dict(state)
+    xs = []
+    module = model.get_submodule(f"model.layers.{block}.{linear}")
+    handle = module.register_forward_pre_hook(lambda m, a: xs.append(a[0].detach().double()))
+    with torch.no_grad():
+        model(input_ids=calib, use_cache=False)
+    handle.remove()
+    return torch.cat(xs)
+
+
+def test_calibration_statistics_match_a_whole_model_forward(monkeypatch):
+    # The report's per-layer token statistics against brute force on the reference inputs:
+    # the largest 1% of tokens by |x|² (at least one) and the tokens at position 0.
+    model = _model()
+    calib = tokens(n=6, seqlen=16)
+    states = {}
+    real = solver.gptq
+
+    def record(W, H, cfg):
+        heads = [n for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and m.weight.shape[1] == W.shape[1]
+                 and torch.equal(m.weight, W[: m.weight.shape[0]])]
+        states[heads[0]] = {k: v.clone() for k, v in model.state_dict().items()}
+        return real(W, H, cfg)
+
+    monkeypatch.setattr(solver, "gptq", record)
+    report = _run(model, calib=calib, batch_size=4)  # batches of 4 and 2: the position stream restarts
+    assert len(states) == 8
+    for name, state in states.items():
+        block, linear = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
+        X = _reference_inputs(state, int(block), linear, calib)
+        energy = (X**2).sum(-1)  # [windows, length]
+        total = float(energy.sum())
+        flat = sorted(energy.flatten().tolist(), reverse=True)
+        top = sum(flat[:1])  # 96 tokens: 1% rounds up to one token
+        stats = report.layers[name].calibration
+        assert stats["tokens"] == 96
+        assert stats["top1pct_share"] == pytest.approx(top / total, rel=1e-4)
+        assert stats["position0_share"] == pytest.approx(float(energy[:, 0].sum()) / total, rel=1e-4)
+        assert stats["position0_tokens"] == pytest.approx(1 / 16)
+        assert stats["max_over_median"] == pytest.approx(flat[0] / float(energy.flatten().median()), rel=1e-4)
+        # Members of the group share the input, hence the statistics.
+        for other, row in report.layers.items():
+            if row.subset == report.layers[name].subset and other.rsplit(".", 2)[0] == name.rsplit(".", 2)[0]:
+                assert row.calibration == stats
+
+
+def test_token_energy_stats_small_cases():
+    from optq.pipeline.hessians import token_energy_stats
+
+    energy = torch.tensor([100.0, 1.0, 1.0, 2.0, 50.0, 1.0, 1.0, 4.0])
+    positions = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    s = token_energy_stats(energy, positions)
+    assert s["tokens"] == 8
+    assert s["top1pct_share"] == pytest.approx(100 / 160)  # one token: the largest
+    assert s["position0_share"] == pytest.approx(150 / 160)
+    assert s["position0_tokens"] == pytest.approx(0.25)
+    assert s["max_over_median"] == pytest.approx(100 / 1.0)  # torch's median: the lower middle
+    assert token_energy_stats(energy)["position0_share"] is None
+    assert token_energy_stats(torch.zeros(0))["top1pct_share"] is None
+    many = torch.ones(250)
+    many[:3] = 10.0
+    assert token_energy_stats(many)["top1pct_share"] == pytest.approx(30 / 277)  # ceil(2.5) = 3 tokens
