@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
     g.add_argument("--asym", dest="sym", action="store_false", default=True, help="asymmetric grid")
     g.add_argument("--damp", type=float, default=0.01)
     c = p.add_argument_group("data")
-    c.add_argument("--calib", default="enwiki", help="calibration corpus or file (default enwiki)")
+    c.add_argument("--calib", default="enwiki", help="calibration corpus or file, or several joined by "
+                   "commas (equal shares of --nsamples) (default enwiki)")
     c.add_argument("--data", default="enwiki", help="comma-separated evaluation corpora (default enwiki)")
     c.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
     c.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer = zoo.load_model(args.model)
         bos = zoo.eval_bos_id(args.model, tokenizer, model.config)
-        calib = data.calibration_tokens(data.load_tokens(args.calib, tokenizer, "calib"), args.nsamples, args.seqlen, args.seed)
+        calib = data.calibration_windows(args.calib, tokenizer, args.nsamples, args.seqlen, args.seed)
         evaluation = {
             c: data.eval_windows(data.load_tokens(c, tokenizer, "eval"), args.seqlen, args.windows, bos_id=bos)
             for c in corpora

@@ -124,8 +124,8 @@ def _estimate(model: Any, args: argparse.Namespace, corpora: int, variants: int,
 
     try:
         speed = machine_speed()
-        quantize = plan(model.config, nsamples=args.nsamples, seqlen=args.seqlen, config=config,
-                        source_dtype=model.dtype, speed=speed).total_seconds
+        quantize = sum(plan(model.config, nsamples=args.nsamples, seqlen=args.seqlen, config=config,
+                            source_dtype=model.dtype, speed=speed).seconds.values())
     except Exception as exc:  # an estimate is no reason to stop the demo
         return f"(no time estimate: {exc})"
     params = sum(p.numel() for p in model.parameters())

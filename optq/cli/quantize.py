@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
     g.add_argument("--normalize-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="every calibration token at unit RMS in the Hessian (default on)")
     g.add_argument("--damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
+    g.add_argument("--diag-shrink", type=float, default=0.0, metavar="S",
+                   help="shrink H toward its diagonal, (1-S)H + S diag(H): 0 plain GPTQ (default), "
+                   "1 round-to-nearest; guards against calibration text unlike the served text")
     g.add_argument("--damp-max", type=float, default=1.0,
                    help="largest damping tried when H cannot be factorised (default 1.0)")
     g.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block width")
@@ -59,7 +62,8 @@ def register(subparsers: Any) -> None:
     g.add_argument("--mse-norm", type=float, default=2.0, help="error exponent of --mse")
     c = p.add_argument_group("calibration and run")
     c.add_argument("--calib", default=DEFAULT_CALIB, metavar="NAME|FILE",
-                   help=f"built-in corpus name, .txt or .jsonl file (default {DEFAULT_CALIB})")
+                   help=f"built-in corpus name, .txt or .jsonl file, or several joined by commas "
+                   f"(e.g. enwiki,debref-de,code: equal shares of --nsamples) (default {DEFAULT_CALIB})")
     c.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
     c.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     c.add_argument("--seed", type=int, default=0, help="seed of the window draw (default 0)")
@@ -107,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
             static_groups=args.act_order if args.static_groups is None else args.static_groups,
             damp=args.damp, damp_max=args.damp_max, normalize_tokens=args.normalize_tokens,
             block_size=args.block_size, mse=args.mse, mse_grid=args.mse_grid,
-            mse_maxshrink=args.mse_maxshrink, mse_norm=args.mse_norm,
+            mse_maxshrink=args.mse_maxshrink, mse_norm=args.mse_norm, diag_shrink=args.diag_shrink,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -126,13 +130,18 @@ def _model_folder(name: str) -> Path:
         ) from None
 
 
-def _calibration_tokens(source: str, tokenizer: Any) -> Any:
-    from optq.data.tokens import load_tokens
+def _calibration_tokens(spec: str, tokenizer: Any, args: argparse.Namespace) -> Any:
+    """One source: its token stream (the pipeline draws the windows). Several, comma-separated:
+    the windows, shared equally between them (``optq.data.tokens.mixed_calibration``)."""
+    from optq.data.tokens import calibration_windows, load_tokens, split_sources
 
+    sources = split_sources(spec)
     try:
-        return load_tokens(source, tokenizer, "calib")
+        if len(sources) == 1:
+            return load_tokens(sources[0], tokenizer, "calib")
+        return calibration_windows(spec, tokenizer, args.nsamples, args.seqlen, args.seed)
     except (OSError, ValueError, RuntimeError) as exc:
-        raise CliError(f"cannot read calibration data {source!r}: {exc}") from None
+        raise CliError(f"cannot read calibration data {spec!r}: {exc}") from None
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -165,7 +174,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if not args.dry_run:
         check_output(out, args.overwrite)
-    check_text_source(args.calib)
+    from optq.data.tokens import split_sources
+
+    for source in split_sources(args.calib):
+        check_text_source(source)
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -187,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(folder, args, config)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokens = _calibration_tokens(args.calib, tokenizer)
+    tokens = _calibration_tokens(args.calib, tokenizer, args)
     load_s = time.perf_counter() - t0
     report = quantize_pretrained(
         folder, out, tokens, config, format=args.format, max_shard_size=args.max_shard_size,

@@ -51,6 +51,12 @@ class QuantConfig:
             by their squared activation norm, and in real models a few massive-activation
             tokens then own H; on SmolLM2-135M that made plain GPTQ lose to round-to-nearest
             end to end (README, "Quality"). Only the pipeline reads it (optq.quantize).
+        diag_shrink: shrink the Hessian toward its diagonal before solving,
+            H <- (1 - s) H + s diag(H). The off-diagonal terms are the input correlations that
+            GPTQ's compensation exploits; where calibration and serving text differ, those
+            correlations may not hold. 0 (default) is plain GPTQ; 1 makes H diagonal, where
+            GPTQ compensates nothing and equals round-to-nearest. Report objectives stay on
+            the unshrunk H.
     """
 
     bits: int = 4
@@ -66,6 +72,7 @@ class QuantConfig:
     mse_maxshrink: float = 0.8
     mse_norm: float = 2.0
     normalize_tokens: bool = True
+    diag_shrink: float = 0.0
 
     def __post_init__(self) -> None:
         if self.static_groups is None:  # default: static groups whenever act-order is on
@@ -95,6 +102,8 @@ class QuantConfig:
             _fail("mse_maxshrink", self.mse_maxshrink, "a fraction strictly between 0 and 1")
         if not self.mse_norm > 0.0:
             _fail("mse_norm", self.mse_norm, "a positive exponent")
+        if not 0.0 <= self.diag_shrink <= 1.0:
+            _fail("diag_shrink", self.diag_shrink, "a fraction from 0 to 1")
 
     @property
     def maxq(self) -> int:

@@ -192,7 +192,10 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     gs = grid.group_width(cols, config.group_size)
     n_groups = math.ceil(cols / gs)
 
-    H = H.to(device)
+    H = H_caller = H.to(device)
+    if config.diag_shrink:  # toward the diagonal: (1 - s) H + s diag(H)
+        H = H * (1.0 - config.diag_shrink)
+        H.diagonal().copy_(H_caller.diagonal())
     if config.act_order:
         perm = torch.argsort(H.diagonal(), descending=True, stable=True)
     else:
@@ -289,8 +292,11 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     # (float32 sums are pairwise and accurate here; float64 would double the memory traffic;
     # one thread, because a parallel sum's rounding depends on how the threads split it)
     with single_threaded(serial):
-        delta_sq = (W.to(dtype) - weight).square_().sum(0)
-        sol.loss = 0.5 * (float(Err.square_().sum()) - float(added @ delta_sq))
+        if config.diag_shrink:  # the solver's H is not the caller's: one product on the caller's
+            sol.loss = objective(W, weight, H_caller)
+        else:
+            delta_sq = (W.to(dtype) - weight).square_().sum(0)
+            sol.loss = 0.5 * (float(Err.square_().sum()) - float(added @ delta_sq))
     return sol
 
 

@@ -29,7 +29,8 @@ from optq.data.corpora import (
     split_text,
 )
 
-__all__ = ["load_text", "tokenize", "load_tokens", "calibration_tokens", "eval_windows", "FILE_SPLIT"]
+__all__ = ["load_text", "tokenize", "load_tokens", "calibration_tokens", "mixed_calibration", "split_sources",
+           "calibration_windows", "eval_windows", "FILE_SPLIT"]
 
 log = logging.getLogger("optq.data")
 
@@ -146,6 +147,39 @@ def calibration_tokens(tokens_1d: torch.Tensor, nsamples: int, seqlen: int, seed
     starts = torch.randint(0, n - seqlen, (nsamples,), generator=generator)
     offsets = torch.arange(seqlen)
     return tokens[starts[:, None] + offsets[None, :]]
+
+
+def mixed_calibration(streams: list[torch.Tensor], nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``nsamples`` windows drawn from several token streams in equal shares: ``[nsamples, seqlen]``.
+
+    Stream ``i`` of ``k`` gives ``nsamples // k`` windows, one more for the first
+    ``nsamples % k`` streams, drawn by :func:`calibration_tokens` with seed ``seed + i``; the rows
+    come stream by stream. With one stream this is ``calibration_tokens`` itself.
+    """
+    if not streams:
+        raise ValueError("mixed calibration needs at least one token stream")
+    if nsamples < len(streams):
+        raise ValueError(f"nsamples={nsamples} cannot be shared by {len(streams)} calibration sources; "
+                         f"give at least {len(streams)}")
+    shares = [nsamples // len(streams) + (i < nsamples % len(streams)) for i in range(len(streams))]
+    return torch.cat([calibration_tokens(t, n, seqlen, seed + i) for i, (t, n) in enumerate(zip(streams, shares))])
+
+
+def split_sources(spec: str) -> list[str]:
+    """``"enwiki,debref-de,code"`` -> its calibration sources (a file whose name holds a comma stays whole)."""
+    if Path(spec).expanduser().is_file():
+        return [spec]
+    sources = [p.strip() for p in spec.split(",") if p.strip()]
+    if not sources:
+        raise ValueError(f"{spec!r} names no calibration source")
+    return sources
+
+
+def calibration_windows(spec: str, tokenizer: Any, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """The calibration windows of a ``--calib`` value: one source (corpus, file or ``hf:``), or
+    several joined by commas, sharing ``nsamples`` equally (:func:`mixed_calibration`)."""
+    streams = [load_tokens(source, tokenizer, "calib") for source in split_sources(spec)]
+    return mixed_calibration(streams, nsamples, seqlen, seed)
 
 
 def eval_windows(tokens_1d: torch.Tensor, seqlen: int, windows: int | None = None,

@@ -31,7 +31,8 @@ VARIANT_HELP = (
     "fp | rtn | gptq, each optionally followed by +modifiers: +plain (textbook GPTQ: no act-order, "
     "no token normalisation), +no_act_order, +no_norm, +act_order (dynamic groups), "
     "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
-    "(group size), +b<N> (bits), +damp<X>; e.g. gptq+plain, rtn+mse, gptq+g64"
+    "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward its diagonal); e.g. gptq+plain, rtn+mse, "
+    "gptq+g64, gptq+shrink0.5"
 )
 
 
@@ -75,13 +76,24 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             propagate = "original"
         elif mod[:1] in ("g", "b") and mod[1:].lstrip("-").isdigit():
             changes["group_size" if mod[0] == "g" else "bits"] = int(mod[1:])
-        elif mod.startswith("damp"):
-            changes["damp"] = float(mod[4:])
+        elif mod.startswith("damp") and _is_number(mod.removeprefix("damp")):
+            changes["damp"] = float(mod.removeprefix("damp"))
+        elif mod.startswith("shrink") and _is_number(mod.removeprefix("shrink")):
+            changes["diag_shrink"] = float(mod.removeprefix("shrink"))
         else:
             raise ValueError(f"unknown modifier {mod!r} in {spec!r}: {VARIANT_HELP}")
-    if method == "rtn" and set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}:
-        raise ValueError(f"{spec!r}: act-order and propagation modes apply to gptq only")
+    if method == "rtn" and (set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}
+                            or any(m.startswith("shrink") for m in mods)):
+        raise ValueError(f"{spec!r}: act-order, propagation modes and H shrinking apply to gptq only")
     return Variant(name=spec.strip(), method=method, config=dataclasses.replace(base, **changes), propagate=propagate)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def round_to_nearest(model: nn.Module, config: QuantConfig) -> dict[str, Any]:

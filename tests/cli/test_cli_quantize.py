@@ -127,9 +127,35 @@ def test_flags_map_one_to_one_onto_quant_config():
     args = parser.parse_args(["quantize", "m", "-o", "o", "--bits", "3", "--group-size", "64",
                               "--asym", "--act-order", "--static-groups", "--damp", "0.05",
                               "--damp-max", "2", "--block-size", "32", "--mse", "--mse-grid", "50",
-                              "--mse-maxshrink", "0.5", "--mse-norm", "2.4"])
+                              "--mse-maxshrink", "0.5", "--mse-norm", "2.4", "--diag-shrink", "0.3"])
     assert config_from_args(args) == optq.QuantConfig(
         bits=3, group_size=64, sym=False, act_order=True, static_groups=True, damp=0.05,
-        damp_max=2.0, block_size=32, mse=True, mse_grid=50, mse_maxshrink=0.5, mse_norm=2.4)
+        damp_max=2.0, block_size=32, mse=True, mse_grid=50, mse_maxshrink=0.5, mse_norm=2.4, diag_shrink=0.3)
     defaults = parser.parse_args(["quantize", "m", "-o", "o"])
     assert config_from_args(defaults) == optq.QuantConfig()
+
+
+def test_calibration_from_several_sources(model_dir, tmp_path, capsys):
+    # Two texts share --nsamples: the run equals optq.quantize on the windows mixed here.
+    other = tmp_path / "other.txt"
+    text = (model_dir / "calib.txt").read_text().splitlines()
+    other.write_text("\n".join(reversed(text)))
+    out = tmp_path / "q"
+    args = _args(model_dir, out)
+    args[args.index("--calib") + 1] = f"{model_dir / 'calib.txt'},{other}"
+    assert main(args) == 0
+    report = json.loads(_report_file(out).read_text())
+    assert report["options"]["calib"] == f"{model_dir / 'calib.txt'},{other}"
+    from optq.data.tokens import load_tokens, mixed_calibration
+    from optq.data.zoo import load_model
+
+    fp, tok = load_model(model_dir / "model")
+    windows = mixed_calibration([load_tokens(model_dir / "calib.txt", tok), load_tokens(other, tok)], 4, 16, 0)
+    ref = optq.quantize(fp, windows, optq.QuantConfig(bits=3, group_size=16), progress=False)
+    assert set(report["layers"]) == set(ref.layers)
+    for name, row in ref.layers.items():
+        assert report["layers"][name]["objective"] == pytest.approx(row.objective, rel=1e-5)
+    # an unknown source in the list is refused before any work
+    args[args.index("--calib") + 1] = f"{model_dir / 'calib.txt'},no-such-corpus"
+    assert main([*args, "--overwrite"]) == 2
+    assert "'no-such-corpus' is not a known corpus" in capsys.readouterr().err

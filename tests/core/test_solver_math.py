@@ -216,3 +216,32 @@ def test_reported_loss_is_the_objective_on_the_undamped_hessian(act_order):
     assert sol.loss == pytest.approx(optq.objective(W, sol.weight, H), rel=1e-9)
     obq = optq.obq(W, H, optq.QuantConfig(bits=2, group_size=8))
     assert obq.loss == pytest.approx(optq.objective(W, obq.weight, H), rel=1e-9)
+
+
+# shrinking H toward its diagonal ------------------------------------------------------------
+@pytest.mark.parametrize("act_order", [False, True])
+def test_diag_shrink_solves_the_shrunk_hessian_and_reports_on_the_callers(act_order):
+    X = correlated(200, 40, seed=21)
+    H = hessian_of(X)
+    W = torch.randn(12, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(22))
+    base = optq.QuantConfig(bits=3, group_size=8, act_order=act_order)
+    for s in (0.3, 0.9):
+        shrunk = (1 - s) * H + s * torch.diag(H.diagonal())  # built here, independently
+        sol = optq.gptq(W, H, optq.QuantConfig(**{**base.to_dict(), "diag_shrink": s}))
+        ref = optq.gptq(W, shrunk, base)
+        assert torch.equal(sol.codes, ref.codes)
+        torch.testing.assert_close(sol.weight, ref.weight, rtol=1e-12, atol=0)  # (1-s)h + sh vs h: last bits
+        assert sol.loss == pytest.approx(optq.objective(W, sol.weight, H), rel=1e-9)
+        assert sol.loss != pytest.approx(ref.loss, rel=1e-6)  # ref's loss is on the shrunk H
+    # Shrunk all the way, H is diagonal: no compensation, round-to-nearest exactly.
+    full = optq.gptq(W, H, optq.QuantConfig(**{**base.to_dict(), "diag_shrink": 1.0}))
+    assert torch.equal(full.codes, optq.rtn(W, base).codes)
+    # And on its own H, GPTQ is at least as good as any shrunk solve.
+    plain = optq.gptq(W, H, base).loss
+    assert plain <= min(sol.loss, full.loss)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_diag_shrink_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="diag_shrink"):
+        optq.QuantConfig(diag_shrink=bad)

@@ -175,3 +175,32 @@ def test_real_corpus_paths_are_under_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("OPTQ_CACHE", str(tmp_path))
     assert corpora._cache_file("enwiki") == tmp_path / "corpora" / "enwiki.txt"
     assert Path(corpora._cache_file("code")).parent == tmp_path / "corpora"
+
+
+def test_mixed_calibration_shares_windows_equally():
+    from optq.data.tokens import mixed_calibration
+
+    streams = [torch.arange(0, 1000), torch.arange(10_000, 10_500), torch.arange(20_000, 20_300)]
+    mix = mixed_calibration(streams, nsamples=8, seqlen=16, seed=5)
+    assert mix.shape == (8, 16)
+    # 8 = 3 + 3 + 2 windows, stream by stream, each contiguous and inside its stream
+    owners = [int(row[0]) // 10_000 for row in mix]
+    assert owners == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert all(torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 16)) for row in mix)
+    # each share is that stream's own seeded draw (seed + its index)
+    assert torch.equal(mix[3:6], calibration_tokens(streams[1], 3, 16, seed=6))
+    # one stream is calibration_tokens itself
+    assert torch.equal(mixed_calibration(streams[:1], 8, 16, seed=5), calibration_tokens(streams[0], 8, 16, seed=5))
+    with pytest.raises(ValueError, match="cannot be shared by 3"):
+        mixed_calibration(streams, nsamples=2, seqlen=16)
+
+
+def test_split_sources_keeps_a_file_with_a_comma(tmp_path):
+    from optq.data.tokens import split_sources
+
+    assert split_sources("enwiki, debref-de ,code") == ["enwiki", "debref-de", "code"]
+    odd = tmp_path / "a,b.txt"
+    odd.write_text("text")
+    assert split_sources(str(odd)) == [str(odd)]
+    with pytest.raises(ValueError, match="names no calibration source"):
+        split_sources(" , ")

@@ -19,7 +19,10 @@ def test_variant_names_map_onto_configs():
     assert dyn.config.act_order and not dyn.config.static_groups and dyn.propagate == "original"
     assert parse_variant("rtn+mse+asym", base).config.mse and not parse_variant("rtn+asym", base).config.sym
     assert parse_variant("fp", base).config is None
-    for bad in ("awq", "gptq+fast", "fp+mse", "rtn+original", "rtn+act_order"):
+    shrunk = parse_variant("gptq+shrink0.25+damp0.1", base).config
+    assert (shrunk.diag_shrink, shrunk.damp) == (0.25, 0.1)
+    for bad in ("awq", "gptq+fast", "fp+mse", "rtn+original", "rtn+act_order", "rtn+shrink0.5", "gptq+shrinkx",
+                "gptq+shrink2"):
         with pytest.raises(ValueError):
             parse_variant(bad, base)
 

@@ -206,3 +206,23 @@ def test_page_renders_in_headless_chromium(checkpoint, tmp_path, width, height):
          f"--user-data-dir={tmp_path / 'profile2'}", f"--window-size={width},{height}", "--dump-dom", page.as_uri()],
         check=True, capture_output=True, timeout=120, text=True).stdout
     assert re.search(r"<h1>optq report: ckpt</h1>", dom)
+
+
+def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
+    import argparse
+
+    from optq.cli import demo
+    from optq.pipeline import plan
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    speed = {"flops": 1e6, "solve_unit": 1e-9}
+    monkeypatch.setattr(plan, "machine_speed", lambda: speed)
+    args = argparse.Namespace(nsamples=4, seqlen=16, windows=3)
+    config = optq.QuantConfig(bits=4, group_size=16)
+    quantize = sum(plan.plan(model.config, nsamples=4, seqlen=16, config=config, source_dtype=torch.float32,
+                             speed=speed).seconds.values())
+    evaluate = 3 * 2 * 3 * 16 * 2 * sum(p.numel() for p in model.parameters()) / 1e6
+    line = demo._estimate(model, args, corpora=2, variants=3, config=config)
+    assert line.startswith(f"estimated time on this machine: about {(quantize + evaluate) / 60:.0f} min"), line
