@@ -111,6 +111,8 @@ def save(
         tensors = {n: q.state_dict() for n, q in layers.items()}
     state = _state_dict(model, tensors)
     config = model.config.to_dict()
+    if not config.get("architectures"):  # as save_pretrained does; loaders pick the class from it
+        config["architectures"] = [type(model).__name__]
     config.pop("quantization_config", None)
     config["quantization_config"] = qconfig
     with atomic_folder(folder, overwrite) as tmp:

@@ -17,6 +17,7 @@ from optq.cli import main
 from optq.data import zoo
 from optq.data.zoo import gguf as zoo_gguf
 from optq.data.zoo import packages
+from optq.formats import files
 
 VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
 
@@ -247,6 +248,119 @@ def test_smollm2_conversion_is_reproducible(tmp_path):
         return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
 
     cached = zoo.resolve_model("smollm2-135m")  # converted once (now, or earlier into the cache)
-    again = zoo.convert_gguf(zoo.gguf_path("smollm2-135m"), tmp_path / "again")
+    again = zoo.convert_gguf(zoo.gguf_path("smollm2-135m"), tmp_path / "again", name_or_path=SMOL_REPO)
     assert digest(again) == digest(cached)
-    assert json.loads((again / "config.json").read_text()).get("quantization_config") is None
+    config = json.loads((again / "config.json").read_text())
+    assert config.get("quantization_config") is None
+    assert config["architectures"] == ["LlamaForCausalLM"] and config[zoo_gguf.NAME_KEY] == SMOL_REPO
+    # a cache patched in place (converted by an older optq) says the same as a fresh conversion
+    assert json.loads((cached / "config.json").read_text()) == config
+
+
+SMOL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_built_in_models_name_their_upstream_repo():
+    assert zoo.model_spec("smollm2-135m").hf_repo == SMOL_REPO
+    assert all(spec.hf_repo and spec.hf_repo.count("/") == 1 for spec in zoo.MODELS.values())
+
+
+def test_conversion_records_architecture_and_repo_name(tiny, tmp_path, monkeypatch):
+    def fake_model(folder, gguf_file, dtype):  # what transformers hands back for a GGUF file
+        model = transformers.LlamaForCausalLM.from_pretrained(tiny, dtype=dtype)
+        model.config.architectures = None
+        setattr(model.config, zoo_gguf.NAME_KEY, "Smollm2 135M 8k Lc100K Mix1 Ep2")  # GGUF general.name
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda folder, gguf_file:
+                        transformers.PreTrainedTokenizerFast.from_pretrained(tiny))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    out = zoo.convert_gguf(tmp_path / "m.gguf", tmp_path / "out", name_or_path=SMOL_REPO)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config[zoo_gguf.NAME_KEY] == SMOL_REPO
+    plain = zoo.convert_gguf(tmp_path / "m.gguf", tmp_path / "plain")  # no repo id known: arch still set
+    assert json.loads((plain / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def _old_conversion(cache, name="smollm2-135m"):
+    """A cached folder as the old converter left it: architectures null, the GGUF title as name."""
+    folder = _tiny_folder(cache / "models" / name)
+    config = json.loads((folder / "config.json").read_text())
+    config.update({"architectures": None, zoo_gguf.NAME_KEY: "Smollm2 135M 8k Lc100K Mix1 Ep2"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    spec = zoo.model_spec(name)
+    (folder / zoo.SOURCE_FILE).write_text(json.dumps({"name": name, "package": spec.requirement,
+                                                      "bos_in_eval": spec.bos_in_eval}))
+    return folder, config
+
+
+def test_an_old_cached_conversion_is_patched_in_place(monkeypatch, tmp_path):
+    import optq
+
+    monkeypatch.setenv("OPTQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(packages, "installed_distribution", lambda req: None)  # no reconversion possible
+    folder, old = _old_conversion(tmp_path)
+    weights = (folder / "model.safetensors").stat()
+    assert zoo.resolve_model("smollm2-135m") == folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config[zoo_gguf.NAME_KEY] == SMOL_REPO
+    assert {k: v for k, v in config.items() if k not in ("architectures", zoo_gguf.NAME_KEY)} == \
+        {k: v for k, v in old.items() if k not in ("architectures", zoo_gguf.NAME_KEY)}
+    after = (folder / "model.safetensors").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)  # weights untouched
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []  # no temp file left
+    stamp = (folder / "config.json").stat()
+    zoo.resolve_model("smollm2-135m")  # up to date: not rewritten
+    assert (folder / "config.json").stat().st_mtime_ns == stamp.st_mtime_ns
+    assert (folder / "config.json").stat().st_ino == stamp.st_ino
+
+    # and a checkpoint quantized from it carries both
+    model, tok = zoo.load_model("smollm2-135m")
+    calib = torch.randint(3, len(VOCAB), (2, 16), generator=torch.Generator().manual_seed(0))
+    report = optq.quantize(model, calib, optq.QuantConfig(bits=4, group_size=16), progress=False)
+    optq.save(model, tmp_path / "q", solutions=report.solutions)
+    saved = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"] and saved[zoo_gguf.NAME_KEY] == SMOL_REPO
+
+
+def test_an_unwritable_old_conversion_still_resolves(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("OPTQ_CACHE", str(tmp_path))
+    monkeypatch.setattr(packages, "installed_distribution", lambda req: None)
+    folder, old = _old_conversion(tmp_path)
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(files.os, "replace", refuse)
+    with caplog.at_level("WARNING", logger="optq.zoo"):
+        assert zoo.resolve_model("smollm2-135m") == folder
+    assert "could not update" in caplog.text
+    assert json.loads((folder / "config.json").read_text()) == old
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+
+
+def test_an_old_conversion_of_a_gguf_file_gets_its_architecture(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPTQ_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = _tiny_folder(zoo_gguf.gguf_cache_folder(gguf))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": None, zoo_gguf.NAME_KEY: "Title"}))
+    assert zoo.resolve_model(gguf) == folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config[zoo_gguf.NAME_KEY] == "Title"
+
+
+@pytest.mark.real
+def test_the_real_smollm2_cache_records_its_architecture_and_repo():
+    folder = zoo.converted_folder("smollm2-135m")
+    if folder is None:
+        pytest.skip("smollm2-135m has not been converted into the cache (optq fetch smollm2-135m)")
+    assert zoo.resolve_model("smollm2-135m") == folder  # patches a folder converted by an older optq
+    config = json.loads((folder / "config.json").read_text())
+    assert config[zoo_gguf.NAME_KEY] == SMOL_REPO
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    built = transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]  # the class from_pretrained builds
+    assert config["architectures"] == hf_config.architectures == [built.__name__] == ["LlamaForCausalLM"]

@@ -144,6 +144,18 @@ def test_symmetric_4bit_file_has_0x77777777_zeros(tmp_path: Path) -> None:
     assert "lm_head.weight" not in t  # tied to the embeddings
 
 
+def test_save_records_the_architecture_when_the_config_lacks_it(tmp_path: Path) -> None:
+    model = _tiny_llama()
+    assert not model.config.architectures  # built from a config, as GGUF conversions used to leave it
+    sols = _quantize(model, optq.QuantConfig(bits=4, group_size=32, act_order=False))
+    for fmt in ("gptq", "compressed-tensors"):
+        optq.save(model, tmp_path / fmt, solutions=sols, format=fmt)
+        assert json.loads((tmp_path / fmt / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    model.config.architectures = ["SomethingElseForCausalLM"]  # a recorded one is kept
+    optq.save(model, tmp_path / "kept", solutions=sols)
+    assert json.loads((tmp_path / "kept" / "config.json").read_text())["architectures"] == ["SomethingElseForCausalLM"]
+
+
 def test_shards_and_untied_head(tmp_path: Path) -> None:
     model = _tiny_llama(tie=False)
     sols = _quantize(model, optq.QuantConfig(bits=4, group_size=32))

@@ -14,12 +14,17 @@ from typing import IO, Any
 from optq.data.corpora import cache_dir
 from optq.data.zoo.packages import PackageFiles, model_packages
 from optq.data.zoo.registry import ModelError, model_spec
+from optq.formats.files import atomic_write
 
-__all__ = ["SOURCE_FILE", "gguf_path", "expected_sha256", "join_parts", "convert_gguf", "gguf_cache_folder"]
+__all__ = ["SOURCE_FILE", "NAME_KEY", "gguf_path", "expected_sha256", "join_parts", "convert_gguf",
+           "causal_lm_architecture", "repair_config", "gguf_cache_folder"]
 
 log = logging.getLogger("optq.zoo")
 
 SOURCE_FILE = "optq_source.json"  # provenance written next to a converted model
+# transformers maps GGUF's ``general.name`` (a free-form title) to this config attribute; unlike
+# ``_name_or_path`` (reset to the folder on every load) it survives loading and re-saving.
+NAME_KEY = "_model_name_or_path"
 _BLOCK = 1 << 20
 
 
@@ -119,12 +124,16 @@ def join_parts(parts: list[PackageFiles], file: str, expected: str, out: Path) -
     return out
 
 
-def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, source: dict[str, Any] | None = None) -> Path:
+def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, source: dict[str, Any] | None = None,
+                 name_or_path: str | None = None) -> Path:
     """Dequantize a GGUF file to a plain fp32 Hugging Face folder at ``out_dir`` (atomically).
 
     ``save_pretrained`` refuses GGUF-loaded models, so the state dict is written with
     safetensors (without the tied ``lm_head.weight``), ``quantization_config`` is dropped from
-    the config, and config and tokenizer are saved beside it.
+    the config, and config and tokenizer are saved beside it. The config records
+    ``architectures`` (the class transformers built, as ``save_pretrained`` would) and, when
+    given, ``name_or_path`` (the upstream hub repo id) as its :data:`NAME_KEY` in place of the
+    GGUF file's title.
     """
     import torch
     from safetensors.torch import save_file
@@ -145,6 +154,9 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, source: dict[str
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = [type(model).__name__]
+    if name_or_path:
+        setattr(config, NAME_KEY, name_or_path)
     with atomic_folder(out_dir, overwrite=True) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
@@ -152,6 +164,51 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, source: dict[str
         (tmp / SOURCE_FILE).write_text(json.dumps(source or {"gguf": str(gguf_file)}, indent=2) + "\n")
     log.info("saved %s", out_dir)
     return out_dir
+
+
+def causal_lm_architecture(model_type: Any) -> str | None:
+    """The class ``AutoModelForCausalLM`` builds for ``model_type`` (e.g. "LlamaForCausalLM"), or None."""
+    if not isinstance(model_type, str):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def repair_config(folder: str | Path, name_or_path: str | None = None) -> bool:
+    """Patch the ``config.json`` of a folder converted by an older optq in place; True if changed.
+
+    Older conversions wrote ``"architectures": null`` and the GGUF title as the name. This fills
+    ``architectures`` from ``model_type`` (the class ``AutoModelForCausalLM`` would build) and,
+    when given, sets :data:`NAME_KEY` to ``name_or_path``; the weights are not touched. An
+    up-to-date config is only read (transformers is imported only when something is missing);
+    a folder that cannot be written is logged and left as it is (it still loads).
+    """
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    changes: dict[str, Any] = {}
+    if not config.get("architectures"):
+        architecture = causal_lm_architecture(config.get("model_type"))
+        if architecture is not None:
+            changes["architectures"] = [architecture]
+    if name_or_path and config.get(NAME_KEY) != name_or_path:
+        changes[NAME_KEY] = name_or_path
+    if not changes:
+        return False
+    config.update(changes)
+    try:
+        atomic_write(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        log.warning("could not update %s (%s); it still loads, but records no %s", path, exc, ", ".join(changes))
+        return False
+    log.info("updated %s of %s", ", ".join(changes), path)
+    return True
 
 
 def gguf_cache_folder(path: Path) -> Path:

