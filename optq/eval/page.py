@@ -119,16 +119,31 @@ def _natural(name: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _summary(folder: Path, report: dict[str, Any], config: dict[str, Any], sizes: dict[str, Any]) -> str:
+def _run_order(layers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The layers in the order the run solved them: by block, then by group within the block.
+
+    A saved report's keys may be sorted as strings (layers.10 before layers.2); the block
+    index and each row's ``subset`` (its group's position in the block) restore the order.
+    """
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        m = re.search(r"^(.*?\.\d+)\.", row["name"])
+        return (_natural(m.group(1)) if m else [row["name"]], row.get("subset", 0), row["name"])
+
+    return sorted(layers.values(), key=key)
+
+
+def _summary(folder: Path, report: dict[str, Any], config: dict[str, Any], sizes: dict[str, Any],
+             calib_hint: str | None = None) -> str:
     q = report.get("config", {})
     o = report.get("options", {})
     t = report.get("totals", {})
-    name = o.get("model") or config.get("_name_or_path") or config.get("name_or_path") or folder.name
+    name = (o.get("model") or config.get("_model_name_or_path") or config.get("_name_or_path")
+            or config.get("name_or_path") or folder.name)
     arch = ", ".join(config.get("architectures") or []) or config.get("model_type", "?")
     act = "yes (static groups)" if q.get("act_order") and q.get("static_groups") else (
         "yes" if q.get("act_order") else "no")
     ratio = sizes["fp"] / sizes["disk"] if sizes["disk"] else math.nan
-    calib = o.get("calib") or "token windows given by the caller"
+    calib = o.get("calib") or calib_hint or "token windows given by the caller"
     rows = [
         ("model", f"{name} ({arch})"),
         ("method", f"{str(o.get('method', 'gptq')).upper()}, {q.get('bits')}-bit "
@@ -150,8 +165,16 @@ def _summary(folder: Path, report: dict[str, Any], config: dict[str, Any], sizes
     return _table(["", ""], [(k, v) for k, v in rows], cls="kv")
 
 
+def _calib_hint(evals: Sequence[tuple[Path, Any]]) -> str | None:
+    """The calibration corpus a comparison JSON names (the report of ``optq demo`` does not)."""
+    for path, data in evals:
+        if isinstance(data, dict) and data.get("calib"):
+            return f"{data['calib']} (as {path.name} says)"
+    return None
+
+
 def _layers(report: dict[str, Any], figures: Any) -> str:
-    rows = list(report.get("layers", {}).values())  # in the order the run solved them
+    rows = _run_order(report.get("layers", {}))
     if not rows:
         return "<p>No layer was quantized.</p>"
     out = []
@@ -191,7 +214,7 @@ def _exceptions(report: dict[str, Any], sizes: dict[str, Any]) -> str:
 
 
 def _calibration(report: dict[str, Any], figures: Any) -> str:
-    rows = [r for r in report.get("layers", {}).values() if r.get("calibration")]
+    rows = [r for r in _run_order(report.get("layers", {})) if r.get("calibration")]
     groups: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:  # layers of one group share their input: one row each
         groups.setdefault((r["name"].rsplit(".", 2)[0], r["subset"]), r)
@@ -276,7 +299,7 @@ def build_page(folder: str | Path, evaluations: Sequence[str | Path] | None = No
     missing = "" if drawer is not None else (
         '<p class="warn">Figures left out: they need matplotlib (<code>pip install "optq[plot]"</code>).</p>')
     sections = [
-        ("summary", "Summary", _summary(folder, report, config, sizes)),
+        ("summary", "Summary", _summary(folder, report, config, sizes, _calib_hint(evals))),
         ("layers", "Per layer: GPTQ against round-to-nearest", _layers(report, drawer)),
         ("calibration", "Calibration statistics", _calibration(report, drawer)),
         ("quality", "Quality", _quality(evals, drawer)),

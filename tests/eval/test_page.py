@@ -226,3 +226,19 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     evaluate = 3 * 2 * 3 * 16 * 2 * sum(p.numel() for p in model.parameters()) / 1e6
     line = demo._estimate(model, args, corpora=2, variants=3, config=config)
     assert line.startswith(f"estimated time on this machine: about {(quantize + evaluate) / 60:.0f} min"), line
+
+
+def test_layers_appear_in_run_order_whatever_the_json_order(checkpoint, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint[0], folder)
+    report = json.loads((folder / "quantization_report.json").read_text())
+    run_order = list(report["layers"])  # optq.quantize's order: block by block, group by group
+    # Twelve blocks' worth of names sorted as strings would put layers.10 before layers.2; here
+    # the keys are simply reversed, and the page must still follow blocks and groups.
+    report["layers"] = dict(reversed(list(report["layers"].items())))
+    (folder / "quantization_report.json").write_text(json.dumps(report))
+    o = _outline(build_page(folder, evaluations=[], figures=False))
+    shown = [r[0] for r in o.sections["layers"] if r[0].startswith("model.")]
+    expected = sorted(run_order, key=lambda n: (int(n.split(".")[2]), report["layers"][n]["subset"], n))
+    assert shown == expected
+    assert [report["layers"][n]["subset"] for n in shown[:7]] == [0, 0, 0, 1, 2, 2, 3]
