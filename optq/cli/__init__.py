@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 import traceback
@@ -120,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("optq: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`optq inspect out | head`): what it wanted was printed. Point
+        # stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:
         if not isinstance(exc, _user_error_types()):
             raise  # a bug: the traceback is what a report needs

@@ -306,3 +306,26 @@ def test_streamed_file_refuses_a_tensor_unlike_its_spec(tmp_path: Path) -> None:
         files.write_safetensors_file(tmp_path / "x.safetensors", specs, lambda n: torch.zeros(3, 2))
     with pytest.raises(CheckpointError, match="complex64 cannot be written"):
         files.write_safetensors_file(tmp_path / "y.safetensors", {"c": ((1,), torch.complex64)}, lambda n: None)
+
+
+def test_output_into_a_closed_pipe_is_quiet(saved: Path) -> None:
+    # `optq inspect out | head -1`: the reader leaves early. The command's output is made far
+    # larger than a pipe's buffer, so the writes after the reader left do fail.
+    import subprocess
+    import sys
+
+    script = ("import optq.cli.inspect as m, sys\n"
+              "real = m.run\n"
+              "def run(args):\n"
+              "    real(args)\n"
+              "    for i in range(200_000):\n"
+              "        print('more output', i)\n"
+              "m.run = run\n"
+              "from optq.cli import main\n"
+              f"sys.exit(main(['inspect', {str(saved)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert first.startswith(str(saved).encode()) and err == "", err
