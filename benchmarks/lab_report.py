@@ -51,6 +51,18 @@ def _ppl_row(name: str, ppl: dict[str, float], fp: dict[str, float] | None = Non
     return cells
 
 
+def _by_bits(ax: Any, rows: list[dict[str, Any]], fp: dict[str, float], keys: tuple[str, str], title: str) -> None:
+    """enwiki perplexity increase over fp against bits: two GPTQ variants and RTN."""
+    bits = [r["bits"] for r in rows]
+    for key, style in ((keys[0], "o-"), (keys[1], "s--"), ("rtn", "^:")):
+        ax.plot(bits, [r[key]["enwiki"] - fp["enwiki"] for r in rows], style, label=key if key != "rtn" else "RTN")
+    ax.set_yscale("log")
+    ax.set_xticks(bits)
+    ax.set_xlabel("bits")
+    ax.set_ylabel("enwiki perplexity increase over fp")
+    ax.legend(frameon=False, fontsize=7, title=title)
+
+
 # ------------------------------------------------------------------------------------ claims
 def claim1(d: dict[str, Any], figs: Path) -> str:
     plt = _plt()
@@ -141,14 +153,7 @@ def claim3(d: dict[str, Any], figs: Path) -> str:
     plt = _plt()
     rows, fp = d["rows"], d["fp"]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    bits = [r["bits"] for r in rows]
-    for key, style in (("quantized", "o-"), ("original", "s--"), ("rtn", "^:")):
-        ax.plot(bits, [r[key]["enwiki"] - fp["enwiki"] for r in rows], style, label=key if key != "rtn" else "RTN")
-    ax.set_yscale("log")
-    ax.set_xticks(bits)
-    ax.set_xlabel("bits")
-    ax.set_ylabel("enwiki perplexity increase over fp")
-    ax.legend(frameon=False, fontsize=7, title="activations from")
+    _by_bits(ax, rows, fp, ("quantized", "original"), "activations from")
     fig_path = _save(fig, figs, "claim3")
     table = _table(["bits", "propagation", *CORPORA],
                    [[r["bits"], k, *_ppl_row("", r[k], fp)[1:]] for r in rows for k in ("quantized", "original", "rtn")])
@@ -308,14 +313,7 @@ def claim7(d: dict[str, Any], figs: Path) -> str:
     plt = _plt()
     rows, fp, norms = d["rows"], d["fp"], d["norms"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
-    bits = [r["bits"] for r in rows]
-    for key, style in (("normalised", "o-"), ("plain", "s--"), ("rtn", "^:")):
-        a.plot(bits, [r[key]["enwiki"] - fp["enwiki"] for r in rows], style, label=key if key != "rtn" else "RTN")
-    a.set_yscale("log")
-    a.set_xticks(bits)
-    a.set_xlabel("bits")
-    a.set_ylabel("enwiki perplexity increase over fp")
-    a.legend(frameon=False, fontsize=7, title="Hessian")
+    _by_bits(a, rows, fp, ("normalised", "plain"), "Hessian")
     name = "model.layers.5.self_attn.q_proj"
     h = norms[name]
     edges = h["hist"]["edges"]

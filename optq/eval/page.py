@@ -153,6 +153,8 @@ def _summary(folder: Path, report: dict[str, Any], config: dict[str, Any], sizes
         ("damping (fraction of the mean diagonal added to H)", f"{q.get('damp')} (largest used: {_fmt(t.get('max_damp'))})"),
         ("error propagation", "from the already-quantized model" if o.get("propagate", "quantized") == "quantized"
          else "from the original model"),
+        ("H shrunk toward its diagonal (--diag-shrink)", f"{q.get('diag_shrink') or 0:g}"),
+        ("grid search (--mse)", "yes" if q.get("mse") else "no (min/max ranges)"),
         ("size on disk", f"{_mb(sizes['disk'])} against {_mb(sizes['fp'])} in {sizes['fp_dtype']} "
                          f"(estimated from the checkpoint's tensors): {ratio:.2f}x smaller"),
         ("quantize time", f"{report.get('seconds', 0.0):.1f} s on {o.get('device', '?')}, "
