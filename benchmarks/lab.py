@@ -214,9 +214,12 @@ def claim5(lab: Lab) -> dict[str, Any]:
     return {"rows": rows}
 
 
+SIZES = [4, 16, 64]  # claim 6's calibration sizes (--sizes)
+
+
 def claim6(lab: Lab) -> dict[str, Any]:
     """Calibration size: perplexity and the Hessian's effective rank against nsamples."""
-    sizes = [4, 16, 64, 128]
+    sizes = SIZES
     rows = []
     for n in sizes:
         ppl = lab.run("gptq", nsamples=n)["perplexity"]
@@ -241,23 +244,42 @@ def claim7(lab: Lab) -> dict[str, Any]:
         b = "" if bits == 4 else f"+b{bits}"
         rows.append({"bits": bits, "normalised": lab.run(f"gptq{b}")["perplexity"],
                      "plain": lab.run(f"gptq{b}+no_norm")["perplexity"], "rtn": lab.run(f"rtn{b}")["perplexity"]})
-    norms = {}
-    for linear in ("model.layers.0.self_attn.q_proj", "model.layers.5.self_attn.q_proj", "model.layers.20.mlp.down_proj"):
-        X = lab.inputs(linear, 8).reshape(8, lab.seqlen, -1)
-        sq = X.pow(2).sum(-1)
-        first, rest = sq[:, 0], sq[:, 1:].flatten()
-        qs = torch.quantile(rest, torch.tensor([0.01, 0.5, 0.99]))
+    return {"rows": rows, "fp": lab.run("fp")["perplexity"], "norms": _token_norms(lab)}
+
+
+def _token_norms(lab: Lab, windows: int = 8) -> dict[str, Any]:
+    """|x|² of every token entering each layer group (the first linear of q/k/v, o, gate/up,
+    down in every block) over ``windows`` enwiki windows of the fp model: the share of Σ|x|²
+    at position 0 and in the top 1% of tokens, per group, and the histogram of the group where
+    position 0 owns the most."""
+    from optq.formats.linears import find_linears
+
+    firsts = [n for n in find_linears(lab.model) if n.endswith(("q_proj", "o_proj", "gate_proj", "down_proj"))]
+    energy: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
+    handles = [lab.model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, n=n: energy[n].append(a[0].detach().double().pow(2).sum(-1))) for n in firsts]
+    calib = lab.calibration("enwiki", windows)
+    try:
+        with torch.no_grad():
+            lab.model(input_ids=calib, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    groups = {}
+    for n in firsts:
+        sq = torch.cat(energy[n])  # [windows, length]
         top = torch.topk(sq.flatten(), max(1, sq.numel() // 100)).values.sum()
-        norms[linear] = {"position0_mean": float(first.mean()), "rest_q01": float(qs[0]), "rest_median": float(qs[1]),
-                         "rest_q99": float(qs[2]), "rest_max": float(rest.max()),
-                         "top1pct_share": float(top / sq.sum()), "position0_share": float(first.sum() / sq.sum()),
-                         "hist": _log_hist(rest), "hist_first": _log_hist(first)}
-    return {"rows": rows, "fp": lab.run("fp")["perplexity"], "norms": norms}
+        groups[n] = {"position0_share": float(sq[:, 0].sum() / sq.sum()), "top1pct_share": float(top / sq.sum()),
+                     "position0_over_median": float(sq[:, 0].mean() / sq[:, 1:].median())}
+    worst = max(groups, key=lambda n: groups[n]["position0_share"])
+    sq = torch.cat(energy[worst])
+    return {"windows": windows, "groups": groups, "worst": worst,
+            "hist": _log_hist(sq[:, 1:].flatten()), "hist_first": _log_hist(sq[:, 0])}
 
 
 def _log_hist(values: torch.Tensor) -> dict[str, list[float]]:
-    edges = torch.logspace(-2, 6, 41)
-    counts = torch.histc(values.clamp(1e-2, 1e6).log10(), bins=40, min=-2, max=6)
+    edges = torch.logspace(-2, 8, 51)
+    counts = torch.histc(values.clamp(1e-2, 1e8).log10(), bins=50, min=-2, max=8)
     return {"edges": edges.tolist(), "counts": counts.tolist()}
 
 
@@ -270,8 +292,10 @@ def main() -> int:
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=10)
+    ap.add_argument("--sizes", default="4,16,64", help="claim 6's calibration windows")
     ap.add_argument("--write-only", action="store_true", help="only redraw figures and docs/lab.md")
     args = ap.parse_args()
+    SIZES[:] = [int(x) for x in args.sizes.split(",")]
     if not args.write_only:
         torch.manual_seed(0)
         lab = Lab(args.nsamples, args.seqlen, args.windows)
