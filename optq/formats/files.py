@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 __all__ = [
     "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_header", "read_index", "read_tensors", "atomic_folder",
-    "atomic_write", "write_json", "write_safetensors_lazily", "write_safetensors_file", "split_shards",
+    "atomic_write", "write_json", "write_safetensors_lazily", "write_safetensors_file", "safetensors_header", "split_shards", "SAFETENSORS_DTYPES",
 ]
 
 
@@ -34,7 +34,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_DTYPES = {"I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8,
+SAFETENSORS_DTYPES = {"I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8,
            "U8": torch.uint8, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
            "F64": torch.float64, "BOOL": torch.bool}
 
@@ -101,23 +101,17 @@ def write_safetensors_lazily(folder: Path, specs: Mapping[str, tuple[tuple[int, 
 # writes (checked by the tests against the installed safetensors).
 _ORDER = {torch.bool: 0, torch.uint8: 4, torch.int8: 5, torch.int16: 9, torch.float16: 11, torch.bfloat16: 12,
           torch.int32: 13, torch.float32: 15, torch.float64: 17, torch.int64: 18}
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
-def write_safetensors_file(path: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                           fetch: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """One safetensors file, written one tensor at a time: the header from ``specs`` (name ->
-    (shape, dtype)), then each tensor's bytes as ``fetch(name)`` gives it.
-
-    ``save_file`` takes every tensor of the file at once, so its caller holds a whole shard (5 GB
-    by default); this holds one tensor, and writes the same bytes.
-    """
-    if sys.byteorder != "little":
-        raise CheckpointError("safetensors is little-endian; writing on a big-endian machine is not supported")
+def safetensors_header(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                       metadata: dict[str, str] | None = None) -> tuple[list[str], bytes]:
+    """The tensors' order in the file, and the file's first bytes: the 8-byte length, then the
+    JSON header padded with spaces to a multiple of 8 (the layout ``save_file`` writes)."""
     for name, (_, dtype) in specs.items():
         if dtype not in _ORDER:
             raise CheckpointError(f"tensor {name}: dtype {dtype} cannot be written to safetensors here")
@@ -131,8 +125,21 @@ def write_safetensors_file(path: Path, specs: Mapping[str, tuple[tuple[int, ...]
         offset = end
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    return order, len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors_file(path: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                           fetch: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file, written one tensor at a time: the header from ``specs`` (name ->
+    (shape, dtype)), then each tensor's bytes as ``fetch(name)`` gives it.
+
+    ``save_file`` takes every tensor of the file at once, so its caller holds a whole shard (5 GB
+    by default); this holds one tensor, and writes the same bytes.
+    """
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors is little-endian; writing on a big-endian machine is not supported")
+    order, raw = safetensors_header(specs, metadata)
     with open(path, "wb") as fh:
-        fh.write(len(raw).to_bytes(8, "little"))
         fh.write(raw)
         for name in order:
             tensor = fetch(name)
@@ -188,7 +195,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 sl = f.get_slice(name)
-                dtype = _DTYPES.get(sl.get_dtype())
+                dtype = SAFETENSORS_DTYPES.get(sl.get_dtype())
                 if dtype is None:
                     raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
                 out[name] = (tuple(sl.get_shape()), dtype)

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.formats.files import parse_size, split_shards
+from optq.formats.files import SAFETENSORS_DTYPES, parse_size, safetensors_header, split_shards
 from optq.formats.linears import find_linears, get_weight
 from optq.formats.packing import packed_length
 from optq.pipeline.discovery import find_blocks, select_names
@@ -246,20 +246,10 @@ _ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch
        torch.float64: "F64", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
 
 
-_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
-
-
 def _header_bytes(entries: dict[str, tuple[tuple[int, ...], str, int]]) -> int:
-    """Bytes of a safetensors header for these tensors (8-byte length + JSON padded to 8)."""
-    order = sorted(entries, key=lambda k: (-_ITEMSIZE.get(entries[k][1], 1), k))  # as safetensors orders them
-    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for k in order:
-        shape, dtype, n = entries[k]
-        meta[k] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = len(json.dumps(meta, separators=(",", ":")).encode())
-    return 8 + text + (-text % 8)
+    """Bytes of a safetensors header for these tensors, as optq writes it."""
+    specs = {k: (shape, SAFETENSORS_DTYPES[code]) for k, (shape, code, _) in entries.items()}
+    return len(safetensors_header(specs, {"format": "pt"})[1])
 
 
 def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_size: int = 8,
