@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from pathlib import Path
 
 from . import CliError
@@ -33,14 +32,9 @@ def marlin_note(qc: dict) -> str:
     return "yes" if not reasons else "no: " + ", ".join(reasons) + "; vLLM falls back to slower kernels"
 
 
-def natural_key(name: str) -> list:
-    """Sort key that orders numbers as numbers: layers.2 before layers.10."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
 def run(args: argparse.Namespace) -> int:
     """Print a summary (format, grid, layers, parameters, size, Marlin), then the layers."""
-    from optq.formats.files import read_index, read_tensors
+    from optq.formats.files import natural_key, read_index, read_tensors
 
     folder: Path = args.folder
     try:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from optq.formats.files import read_index
+from optq.formats.files import natural_key, read_index
 
 __all__ = ["build_page", "write_page", "find_evaluations", "PageError", "REPORT_FILE"]
 
@@ -115,10 +115,6 @@ def _sizes(folder: Path, report: dict[str, Any], config: dict[str, Any]) -> dict
     return {"disk": disk, "fp": fp, "fp_dtype": str(source).removeprefix("torch."), "floats": floats}
 
 
-def _natural(name: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
 def _run_order(layers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The layers in the order the run solved them: by block, then by group within the block.
 
@@ -127,7 +123,7 @@ def _run_order(layers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """
     def key(row: dict[str, Any]) -> tuple[Any, ...]:
         m = re.search(r"^(.*?\.\d+)\.", row["name"])
-        return (_natural(m.group(1)) if m else [row["name"]], row.get("subset", 0), row["name"])
+        return (natural_key(m.group(1)) if m else [row["name"]], row.get("subset", 0), row["name"])
 
     return sorted(layers.values(), key=key)
 
@@ -202,12 +198,12 @@ def _exceptions(report: dict[str, Any], sizes: dict[str, Any]) -> str:
     skipped = report.get("skipped", {})
     if fallbacks:
         parts.append('<p class="warn">Fallbacks: ' + str(len(fallbacks)) + " layers deviated from the settings.</p>"
-                     + _table(["layer", "what happened"], sorted(fallbacks.items(), key=lambda kv: _natural(kv[0]))))
+                     + _table(["layer", "what happened"], sorted(fallbacks.items(), key=lambda kv: natural_key(kv[0]))))
     else:
         parts.append("<p>No fallback: every layer was solved as configured.</p>")
     if skipped:
         parts.append('<p class="warn">Targeted but not quantized: ' + str(len(skipped)) + " layers.</p>"
-                     + _table(["layer", "why"], sorted(skipped.items(), key=lambda kv: _natural(kv[0]))))
+                     + _table(["layer", "why"], sorted(skipped.items(), key=lambda kv: natural_key(kv[0]))))
     floats = sizes["floats"]
     parts.append(f"<p>Weight matrices stored in floating point ({len(floats)}; embeddings, output head and any "
                  "layer not targeted):</p>" + _table(["tensor", "shape", "dtype"],

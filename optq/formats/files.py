@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 __all__ = [
     "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_header", "read_index", "read_tensors", "atomic_folder",
-    "atomic_write", "write_json", "write_safetensors_lazily", "write_safetensors_file", "safetensors_header", "split_shards", "SAFETENSORS_DTYPES",
+    "atomic_write", "write_json", "write_safetensors_lazily", "write_safetensors_file", "safetensors_header", "split_shards", "SAFETENSORS_DTYPES", "natural_key",
 ]
 
 
@@ -47,6 +47,11 @@ def parse_size(size: int | str) -> int:
     if not m or m.group(2) not in _UNITS:
         raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. '2GB', '500MB' or bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders numbers as numbers: layers.2 before layers.10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def write_json(path: Path, obj: Any) -> None:
