@@ -44,8 +44,11 @@ class Hessian:
         self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.count = 0
 
-    def update(self, x: torch.Tensor) -> None:
-        """Add the tokens of ``x`` ([..., in_features]) to the sum."""
+    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Add the tokens of ``x`` ([..., in_features]) to the sum.
+
+        ``weight``: one non-negative weight per token (after normalisation, token t adds
+        ``weight[t] x_t x_tᵀ``), e.g. a mixture-of-experts routing weight; None weighs all alike."""
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input has {x.shape[-1]} features per token, this Hessian expects "
@@ -73,6 +76,12 @@ class Hessian:
             # Every token at unit RMS: each weighs the same in the objective, instead of in
             # proportion to its squared norm (a few massive-activation tokens otherwise own H).
             x = x * torch.where(norm > 0, self.in_features**0.5 / norm, torch.ones_like(norm))
+        if weight is not None:
+            weight = weight.reshape(-1).to(device=x.device, dtype=self.dtype)
+            if weight.numel() != x.shape[0] or not bool((weight >= 0).all()):
+                raise ValueError(f"weight must hold one non-negative value per token ({x.shape[0]}), "
+                                 f"got shape {tuple(weight.shape)}")
+            x = x * weight.sqrt()[:, None]
         self.sum.addmm_(x.T, x)  # in place: no K x K temporary
         self.count += x.shape[0]
 

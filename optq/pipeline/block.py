@@ -18,7 +18,8 @@ from torch import nn
 from optq.core import solver
 from optq.core.config import QuantConfig
 from optq.formats.linears import find_linears, get_weight, set_weight
-from optq.pipeline import capture, memory
+from optq.formats.experts import ExpertLinears
+from optq.pipeline import capture, memory, moe
 from optq.pipeline.hessians import LayerHessians
 from optq.pipeline.memo import Memo
 from optq.pipeline.report import LayerReport, Report
@@ -52,39 +53,90 @@ def quantize_block(
     if not mine:
         _forward_in_place(block, hidden, calls, release)
         return
-    plan = capture.discover_subsets(block, linears, mine, hidden[0], calls[0])
-    for name in plan.unused:
+    known = [n for n in mine if moe.expert_parts(n) and isinstance(_experts_of(block, prefix, n), ExpertLinears)]
+    plan = capture.discover_subsets(block, linears, mine, hidden, calls, known=known)
+    stages = moe.plan_stages(block, prefix, plan, set(mine))
+    never = [n for n in plan.unused if moe.expert_parts(n) is None]
+    for name in never:
         report.skipped[name] = "never called in the block's forward on calibration data"
         log.warning("%s is never called by its block; left unquantized", name)
+    starved = [n for n in plan.unused if n not in never and not any(n in s for st in stages for s in st.subsets)]
 
-    def solve(k: int, subset: list[str], hess: LayerHessians, t0: float) -> None:
+    def solve(k: int, subset: list[str], hess: Any, t0: float, method: str | None = None) -> None:
         # Seam 2, where Hessians are summed: both strategies come here once the group's Hessian
         # holds every local calibration token. Data-parallel calibration all-reduces its sums
         # and token counts at this point, before the solve (docs/architecture.md).
-        _solve_subset(linears, subset, k, hess, config, opts["method"], report, t0)
+        _solve_subset(linears, subset, k, hess, config, method or opts["method"], report, t0)
         bar.set_postfix_str(_postfix(report, subset), refresh=False)
 
     def new_hessian(subset: list[str]) -> LayerHessians:
         first = linears[subset[0]]
         return LayerHessians(_in_features(first), device=first.weight.device,
-                             normalize_tokens=config.normalize_tokens)
+                             normalize_tokens=config.normalize_tokens,
+                             dtype=torch.float64 if opts.get("hessian_dtype") == "float64" else torch.float32)
 
-    if opts["strategy"] == "replay" or plan.repeated:
-        if plan.repeated and opts["strategy"] != "replay":
-            # A pause at the first call would solve before the later calls are seen.
-            log.info("%s: %s called more than once per forward; replaying the block per group",
-                     prefix, ", ".join(plan.repeated))
+    experts = any(st.module is not None for st in stages)
+    if opts["strategy"] == "replay" or plan.repeated or experts:
+        if (plan.repeated or experts) and opts["strategy"] != "replay":
+            # A pause at the first call would solve before the later calls are seen; experts'
+            # calls depend on each batch's routing.
+            log.info("%s: %s; replaying the block per group", prefix,
+                     "experts" if experts else ", ".join(plan.repeated) + " called more than once per forward")
         memo = Memo(block, prefix, list(linears), plan.order, mine)
-        for k, subset in enumerate(plan.subsets):
+        k = 0
+        extra = plan.forwards - 1
+        moe_info: dict[str, Any] = {"stages": 0, "chunks": 0, "forwards": 0, "discovery_forwards": plan.forwards}
+        for stage in stages:
             t0 = time.perf_counter()
-            hess = new_hessian(subset)
-            with _context(prefix, subset), memo.replay_pass() as at_batch:
-                capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
-                                        before_batch=at_batch)
+            if stage.module is None:
+                subset = stage.subsets[0]
+                hess = new_hessian(subset)
+                with _context(prefix, subset), memo.replay_pass() as at_batch:
+                    capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
+                                            before_batch=at_batch)
+                release()
+                solve(k, subset, hess, t0)
+                release()  # the solver's workspace, before the next pass allocates
+                memo.solved(subset)
+                k += 1
+                continue
+
+            def run_pass(_: Any) -> None:
+                with memo.replay_pass() as at_batch:
+                    for b, (h, c) in enumerate(zip(hidden, calls)):
+                        at_batch(b)
+                        capture.run_block(block, h, c)
+
+            with _context(prefix, stage.subsets[0]):
+                got = moe.collect_stage(block, linears, stage, new_hessian, _in_features(linears[stage.subsets[0][0]]),
+                                        {**opts, "normalize_tokens": config.normalize_tokens}, run_pass)
             release()
-            solve(k, subset, hess, t0)
-            release()  # the solver's workspace, before the next pass allocates
-            memo.solved(subset)
+            moe_info["stages"] += 1
+            moe_info["chunks"] += got.chunks
+            moe_info["forwards"] += got.forwards
+            for subset in stage.subsets:
+                rep = subset[0]
+                rtn = rep in got.rtn or got.hessians[rep].count == 0
+                hess = got.hessians[rep] if got.hessians[rep].count else moe.NoTokens(
+                    _in_features(linears[rep]), linears[rep].weight.device)
+                source = got.sources[rep] if got.hessians[rep].count else "none: no calibration token reached it; rounded to nearest, errors on H = I"
+                solve(k, subset, hess, t0, "rtn" if rtn else None)
+                _mark(report, subset, source, opts["method"] != "rtn" and (rtn or "fallback" in source))
+                k += 1
+            del got
+            release()
+            memo.solved([n for s in stage.subsets for n in s])
+        for name in starved:  # experts of a model's own ModuleList that no batch ever called
+            solve(k, [name], moe.NoTokens(_in_features(linears[name]), linears[name].weight.device),
+                  time.perf_counter(), "rtn")
+            _mark(report, [name], "none: no calibration token reached it; rounded to nearest, errors on H = I",
+                  opts["method"] != "rtn")
+            k += 1
+        if experts or starved:
+            # Beyond the dense schedule (one pass per group, one for the outputs): discovery
+            # forwards past the first batch, and one pass per expert stage chunk or fallback.
+            moe_info["extra_forwards"] = extra + moe_info["forwards"] - moe_info["stages"]
+            report.moe[prefix] = moe_info
         if original is not None:
             for b, out in enumerate(original):
                 _keep(hidden, b, out)
@@ -141,6 +193,25 @@ def _keep(hidden: list[torch.Tensor], b: int, out: torch.Tensor) -> None:
         hidden[b] = out.detach().clone()
 
 
+def _experts_of(block: nn.Module, prefix: str, name: str) -> nn.Module | None:
+    parts = moe.expert_parts(name)
+    if parts is None:
+        return None
+    try:
+        return block.get_submodule(parts[0][len(prefix) + 1 :])
+    except AttributeError:
+        return None
+
+
+def _mark(report: Report, subset: Sequence[str], source: str, fallback: bool) -> None:
+    # Where each expert's Hessian came from; a fallback is also listed among the run's fallbacks.
+    for name in subset:
+        report.layers[name].hessian = source
+        if fallback:
+            report.layers[name].fallback = source
+            report.fallbacks[name] = source
+
+
 def _in_features(module: nn.Module) -> int:
     return int(get_weight(module).shape[1])
 
@@ -163,7 +234,7 @@ def _solve_subset(
 ) -> None:
     mods = [linears[n] for n in subset]
     weights = [get_weight(m) for m in mods]
-    if hess.count == 0:
+    if hess.count == 0 and method != "rtn":
         raise RuntimeError(f"no calibration tokens reached {subset[0]}")
     H = hess.matrix()
     # Rows of layers sharing an input share H, and GPTQ treats rows independently: one stacked

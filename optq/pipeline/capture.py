@@ -156,33 +156,77 @@ def _input_key(x: torch.Tensor) -> tuple:
 
 @dataclass
 class Plan:
-    """How one block's linears are quantized, learned from one forward of its first batch.
+    """How one block's linears are quantized, learned from forwards of its calibration batches.
 
     ``subsets``: target names grouped by shared input, in the order that input is first used
     (q/k/v, then o, then gate/up, then down in a Llama block); ``order``: the sequence of linear
-    calls of one forward (names of all linears); ``unused``: targets the forward never called;
-    ``repeated``: targets called more than once per forward (each is a subset of its own).
+    calls of the first batch's forward, then the linears first called by later batches (names of
+    all linears); ``unused``: targets no forward called; ``repeated``: targets called more than
+    once in some forward (each is a subset of its own); ``forwards``: batches run to learn this.
     """
 
     subsets: list[list[str]]
     order: list[str]
     unused: list[str]
     repeated: list[str]
+    forwards: int = 1
 
 
 def discover_subsets(
-    block: nn.Module, linears: dict[str, nn.Module], targets: Sequence[str], hidden: torch.Tensor, call: Call
+    block: nn.Module, linears: dict[str, nn.Module], targets: Sequence[str], hidden: torch.Tensor | Sequence[torch.Tensor],
+    call: Call | Sequence[Call], known: Sequence[str] = (),
 ) -> Plan:
-    """Run the block once and group ``targets`` by the input tensor they share (see ``Plan``)."""
+    """Run the block on its first batch and group ``targets`` by the input tensor they share (see
+    ``Plan``). Targets the first batch does not call (experts it routes no token to) are looked for
+    in the next batches, one forward each, until every target outside ``known`` (linears whose
+    grouping the caller knows without seeing them called) is found or the batches run out; so
+    the plan depends on which targets the calibration data reaches, not on the batches' order.
+    """
+    hiddens = [hidden] if isinstance(hidden, torch.Tensor) else list(hidden)
+    calls = [call] if isinstance(call, Call) else list(call)
+    order: list[str] = []
+    subsets: list[list[str]] = []
+    calls_of: dict[str, int] = {}
+    wanted = set(targets)
+    forwards = 0
+    for h, c in zip(hiddens, calls):
+        batch_order, groups = _one_forward(block, linears, h, c)
+        forwards += 1
+        new = [n for n in dict.fromkeys(batch_order) if n not in calls_of]
+        for name in batch_order:
+            if name in new:
+                order.append(name)
+        for name in dict.fromkeys(batch_order):
+            calls_of[name] = max(calls_of.get(name, 0), batch_order.count(name))
+        seen_groups: dict[tuple, list[str]] = {}
+        for name in new:
+            if name not in wanted:
+                continue
+            if batch_order.count(name) > 1:
+                subsets.append([name])  # called on several inputs: its Hessian covers all of them
+                continue
+            key = groups[name]
+            if key not in seen_groups:
+                seen_groups[key] = []
+                subsets.append(seen_groups[key])
+            seen_groups[key].append(name)
+        if all(n in calls_of for n in wanted if n not in known):
+            break
+    unused = [n for n in targets if n not in calls_of]
+    repeated = [n for n in targets if calls_of.get(n, 0) > 1]
+    return Plan(subsets, order, unused, repeated, forwards)
+
+
+def _one_forward(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.Tensor,
+                 call: Call) -> tuple[list[str], dict[str, tuple]]:
+    # The sequence of linear calls of one forward, and each linear's first input's identity.
     order: list[str] = []
     first_key: dict[str, tuple] = {}
-    calls_of: dict[str, int] = {}
     keep: list[torch.Tensor] = []  # holding inputs alive keeps their addresses unique
 
     def hook(name: str) -> Callable:
         def pre(_m: nn.Module, args: tuple) -> None:
             order.append(name)
-            calls_of[name] = calls_of.get(name, 0) + 1
             keep.append(args[0])
             first_key.setdefault(name, _input_key(args[0]))
 
@@ -194,23 +238,7 @@ def discover_subsets(
     finally:
         for h in handles:
             h.remove()
-    groups: dict[tuple, list[str]] = {}
-    subsets: list[list[str]] = []
-    for name in dict.fromkeys(order):
-        if name not in targets:
-            continue
-        if calls_of[name] > 1:
-            # Called on several inputs: its Hessian covers all of them, so it stands alone.
-            subsets.append([name])
-            continue
-        key = first_key[name]
-        if key not in groups:
-            groups[key] = []
-            subsets.append(groups[key])
-        groups[key].append(name)
-    unused = [n for n in targets if n not in calls_of]
-    repeated = [n for n in targets if calls_of.get(n, 0) > 1]
-    return Plan(subsets, order, unused, repeated)
+    return order, first_key
 
 
 def collect_hessian(

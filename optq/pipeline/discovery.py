@@ -22,7 +22,8 @@ __all__ = ["find_blocks", "select_names"]
 
 def _module_lists(model: nn.Module) -> Iterable[tuple[str, nn.ModuleList]]:
     for name, sub in model.named_modules():
-        if isinstance(sub, nn.ModuleList) and len(sub) > 0:
+        # Experts (a ModuleList of one expert per member) are never the decoder blocks.
+        if isinstance(sub, nn.ModuleList) and len(sub) > 0 and name.rsplit(".", 1)[-1] != "experts":
             yield name, sub
 
 

@@ -40,9 +40,11 @@ class LayerHessians:
     systematic sample of them. Without normalisation the two are the same matrix."""
 
     def __init__(self, in_features: int, *, device: torch.device | str | None = None,
-                 normalize_tokens: bool = True, sample_every: int | None = None) -> None:
-        self.main = Hessian(in_features, device=device, normalize_tokens=normalize_tokens)
-        self.plain = Hessian(in_features, device=device, normalize_tokens=False) if normalize_tokens else None
+                 normalize_tokens: bool = True, sample_every: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.main = Hessian(in_features, device=device, normalize_tokens=normalize_tokens, dtype=dtype)
+        self.plain = (Hessian(in_features, device=device, normalize_tokens=False, dtype=dtype)
+                      if normalize_tokens else None)
         self.sample_every = PLAIN_SAMPLE_EVERY if sample_every is None else sample_every
         self.stride: int | None = None  # fixed at the first update, from its window length
         # Each token's squared norm |x_t|² and its position in its window: the trace of the plain
@@ -61,10 +63,13 @@ class LayerHessians:
         """Tokens in the plain Hessian."""
         return self.main.count if self.plain is None else self.plain.count
 
-    def update(self, x: torch.Tensor) -> None:
-        """Add the tokens of ``x`` ([..., in_features]; ``[batch, length, features]`` for windows)."""
+    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Add the tokens of ``x`` ([..., in_features]; ``[batch, length, features]`` for windows).
+
+        ``weight`` (one per token) weighs the solver's Hessian only; the plain one measures the
+        layer's own output error."""
         seen = self.main.count
-        self.main.update(x)  # checks the shape and that every value is finite
+        self.main.update(x, weight)  # checks the shape and that every value is finite
         # A reduction, no copy of x: |x_t| in float32, then squared.
         energy = torch.linalg.vector_norm(x.detach().reshape(-1, x.shape[-1]), dim=1, dtype=torch.float32).pow_(2)
         self._energy.append(energy.cpu())

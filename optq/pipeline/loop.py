@@ -41,11 +41,13 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.formats.linears import find_linears, get_weight
+from optq.formats.experts import is_router, unfuse_experts
+from optq.formats.linears import find_linears, get_weight, is_linear
 from optq.pipeline import capture
 from optq.pipeline.block import quantize_block
 from optq.pipeline.calibration import calibration_samples, make_batches, max_positions
 from optq.pipeline.discovery import find_blocks, select_names
+from optq.pipeline.moe import DEFAULT_MIN_TOKENS, MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
 from optq.pipeline.report import Report
 
 __all__ = ["quantize", "Report"]
@@ -74,6 +76,11 @@ def quantize(
     batch_size: int = 8,
     method: str = "gptq",
     strategy: str = "replay",
+    moe_calibration: str = "routed",
+    moe_min_tokens: int | None = None,
+    max_hessian_memory: int | None = None,
+    moe_weighting: str = "none",
+    hessian_dtype: str = "float32",
 ) -> Report:
     """Quantize the linears of ``model``'s decoder blocks in place; returns a ``Report``.
 
@@ -106,12 +113,33 @@ def quantize(
             "pause" (every batch's forward pauses at each group's input while the group is
             solved, then resumes: one forward per block, about 13% less time on SmolLM2, but all
             batches' intermediate tensors stay alive: several times the activations). Both
-            give the same weights.
+            give the same weights. Blocks with mixture-of-experts experts are always replayed.
+        moe_calibration: where each mixture-of-experts expert's Hessian comes from: "routed"
+            (the tokens routed to it; an expert routed fewer than ``moe_min_tokens`` tokens gets
+            the "all" Hessian instead, or, for experts in a model's own ``nn.ModuleList``, is
+            rounded to nearest) or "all" (every calibration token, for the Hessians only).
+            Fused transformers experts are replaced by one ``nn.Linear`` per expert matrix
+            (``optq.formats.experts.ExpertLinears``, the same function); routers stay float
+            unless ``include`` names them. See docs/moe.md.
+        moe_min_tokens: the starved-expert threshold (default
+            ``optq.pipeline.moe.DEFAULT_MIN_TOKENS``).
+        max_hessian_memory: bytes the Hessians of one stage of experts may take; more experts
+            are collected in chunks, one block forward each (default: a quarter of the RAM).
+        moe_weighting: "none" (every routed token weighs the same in an expert's Hessian) or
+            "routing" (each by its squared routing weight, since the expert's output is scaled by
+            it); measured in docs/moe.md.
+        hessian_dtype: "float32", or "float64": Hessians summed in double precision (products
+            of float32 inputs are exact in it), so the weights no longer depend on the order in
+            which tokens were summed (batch order, batch size) but for a value falling within
+            ~1e-16 of a float32 rounding boundary; costs the Hessian products' double-precision
+            speed and twice their memory.
     """
     start = time.perf_counter()
     run = prepare(model, calibration, config, propagate=propagate, tokenizer=tokenizer, nsamples=nsamples,
                   seqlen=seqlen, seed=seed, include=include, exclude=exclude, device=device,
-                  batch_size=batch_size, method=method, strategy=strategy)
+                  batch_size=batch_size, method=method, strategy=strategy, moe_calibration=moe_calibration,
+                  moe_min_tokens=moe_min_tokens, max_hessian_memory=max_hessian_memory,
+                  moe_weighting=moe_weighting, hessian_dtype=hessian_dtype)
     check_finite_weights({n: m for n, m in run.linears.items() if n in run.targets})
     blocks_name, blocks, targets, batches, device, options = (
         run.blocks_name, run.blocks, run.targets, run.batches, run.device, run.options)
@@ -120,7 +148,7 @@ def quantize(
     was_training = model.training
     model.eval()
     report = Report(layers={}, config=config.to_dict(), options=options, versions=_versions(),
-                    seconds=0.0, block_seconds=[])
+                    seconds=0.0, block_seconds=[], skipped=dict(run.skipped))
     try:
         with torch.no_grad():
             hidden, calls = capture.capture_inputs(model, blocks, batches, device)
@@ -151,14 +179,22 @@ class Run:
     batches: list[torch.Tensor]
     device: torch.device
     options: dict[str, Any]
+    skipped: dict[str, str]
 
 
 def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagate: str, tokenizer: Any,
             nsamples: int | None, seqlen: int | None, seed: int, include: Any, exclude: Any,
-            device: torch.device | str | None, batch_size: int, method: str, strategy: str) -> Run:
+            device: torch.device | str | None, batch_size: int, method: str, strategy: str,
+            moe_calibration: str = "routed", moe_min_tokens: int | None = None,
+            max_hessian_memory: int | None = None, moe_weighting: str = "none",
+            hessian_dtype: str = "float32") -> Run:
     """Check the arguments of a run and derive its blocks, targets, batches, device and options
     (shared by ``optq.quantize`` and the streaming ``quantize_pretrained``; the model may be on
-    the meta device). Raises ValueError/TypeError before any work."""
+    the meta device). Raises ValueError/TypeError before any work.
+
+    Fused mixture-of-experts modules are replaced by ``ExpertLinears`` here (in place); what
+    stays float is returned in ``Run.skipped`` by name: fused experts optq cannot unfuse, and
+    routers that ``include`` does not name."""
     if propagate not in PROPAGATE:
         raise ValueError(f"propagate={propagate!r} is not one of {PROPAGATE}")
     if method not in METHODS:
@@ -167,6 +203,18 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}")
     if not isinstance(config, QuantConfig):
         raise TypeError(f"config must be an optq.QuantConfig, not {type(config).__name__}")
+    if moe_calibration not in MOE_CALIBRATION:
+        raise ValueError(f"moe_calibration={moe_calibration!r} is not one of {MOE_CALIBRATION}")
+    if hessian_dtype not in ("float32", "float64"):
+        raise ValueError(f"hessian_dtype={hessian_dtype!r} is not 'float32' or 'float64'")
+    if moe_weighting not in MOE_WEIGHTING:
+        raise ValueError(f"moe_weighting={moe_weighting!r} is not one of {MOE_WEIGHTING}")
+    if moe_min_tokens is not None and (not isinstance(moe_min_tokens, int) or moe_min_tokens < 0):
+        raise ValueError(f"moe_min_tokens={moe_min_tokens!r} must be a non-negative integer")
+    if max_hessian_memory is not None and (not isinstance(max_hessian_memory, int) or max_hessian_memory <= 0):
+        raise ValueError(f"max_hessian_memory={max_hessian_memory!r} must be a positive number of bytes")
+    _, left_fused = unfuse_experts(model)
+    skipped = {name: f"{why}: left in float" for name, why in left_fused.items()}
     blocks_name, blocks = find_blocks(model)
     all_linears = {
         name: lin
@@ -176,6 +224,19 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
     if not all_linears:
         raise ValueError(f"{type(model).__name__} has no linear layers in its decoder blocks")
     targets = set(select_names(list(all_linears), include, exclude))
+    for i, blk in enumerate(blocks):
+        for mname, mod in blk.named_modules():
+            if is_linear(mod):
+                continue
+            for pname, p in mod.named_parameters(recurse=False):
+                full = f"{blocks_name}.{i}.{mname}.{pname}" if mname else f"{blocks_name}.{i}.{pname}"
+                if p.dim() >= 2 and full not in skipped:  # e.g. Mixtral's router, a bare weight
+                    skipped[full] = ("router: kept in float" if is_router(f"{blocks_name}.{i}.{mname}")
+                                     else "not a linear layer: kept in float")
+    named = _forced_routers(all_linears, include)
+    for name in sorted(n for n in targets if is_router(n) and n not in named):
+        targets.discard(name)
+        skipped[name] = "router: kept in float (name it in include to quantize it)"
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -212,8 +273,25 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
         "include": include,
         "exclude": exclude,
         "blocks": blocks_name,
+        "moe_calibration": moe_calibration,
+        "moe_min_tokens": DEFAULT_MIN_TOKENS if moe_min_tokens is None else moe_min_tokens,
+        "max_hessian_memory": max_hessian_memory or default_hessian_budget(),
+        "moe_weighting": moe_weighting,
+        "hessian_dtype": hessian_dtype,
     }
-    return Run(blocks_name, blocks, all_linears, targets, batches, device, options)
+    return Run(blocks_name, blocks, all_linears, targets, batches, device, options, skipped)
+
+
+def _forced_routers(linears: dict[str, nn.Module], include: Sequence[str] | str | None) -> set[str]:
+    # Routers are quantized only when an include pattern is about routers: one that matches
+    # routers and no other linear ("*.gate" does, "*.mlp.*" does not).
+    patterns = [include] if isinstance(include, str) else list(include or [])
+    forced: set[str] = set()
+    for p in patterns:
+        hits = select_names(list(linears), [p])
+        if hits and all(is_router(n) for n in hits):
+            forced.update(hits)
+    return forced
 
 
 def _loop(

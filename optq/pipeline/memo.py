@@ -64,7 +64,9 @@ class Memo:
             if not positions or any(sum(1 for m in order if m == n) > 1 for n in inside):
                 continue  # no linear of it runs, or one runs twice: not a simple function
             last = max(positions)
-            pending = {n for n in order[: last + 1] if n in wanted}
+            # Targets inside it count even when no forward so far called them (an expert no
+            # batch routed a token to is still solved before the child's output is final).
+            pending = {n for n in order[: last + 1] if n in wanted} | (inside & wanted)
             self.children.append(_Child(cname, module, pending))
 
     def solved(self, names: Sequence[str]) -> None:

@@ -47,6 +47,10 @@ class LayerReport:
     tokens and by the tokens at position 0.
 
     ``seconds`` is the layer's share, by rows, of its subset's Hessian pass and solve.
+
+    ``hessian`` says, for mixture-of-experts experts, where H came from: ``routed`` (the tokens
+    routed to the expert), ``all`` (every calibration token), a fallback for a starved expert, or
+    none (no token reached it: rounded to nearest, errors on H = I). None for other layers.
     """
 
     name: str
@@ -63,6 +67,7 @@ class LayerReport:
     rtn_output_error: float | None = None
     output_tokens: int | None = None
     calibration: dict[str, Any] | None = None
+    hessian: str | None = None
 
     @property
     def gain(self) -> float:
@@ -91,8 +96,10 @@ class Report:
     zeros, g_idx, perm), which ``optq.save`` packs into a checkpoint; it is not part of the JSON.
     Each solution's ``weight`` is a view of the module's weight (no second copy of the model).
     ``skipped`` names targeted layers left unquantized and why; ``fallbacks`` names layers where
-    the run deviated from the config (e.g. damping escalated to factorise H). Nothing ever falls
-    back to round-to-nearest silently.
+    the run deviated from the config (e.g. damping escalated to factorise H, a starved expert's
+    Hessian taken from all tokens or rounded to nearest). Nothing ever falls back to
+    round-to-nearest silently. ``moe`` holds, per mixture-of-experts block, its expert stages, the
+    Hessian chunks and the forwards they cost beyond the dense schedule.
     """
 
     layers: dict[str, LayerReport]
@@ -104,6 +111,7 @@ class Report:
     skipped: dict[str, str] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)
     solutions: dict[str, Solution] = field(default_factory=dict, repr=False)
+    moe: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, Any]:
@@ -167,6 +175,7 @@ class Report:
                 "block_seconds": self.block_seconds,
                 "skipped": self.skipped,
                 "fallbacks": self.fallbacks,
+                "moe": self.moe,
             }
         )
 

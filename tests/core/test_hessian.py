@@ -124,3 +124,36 @@ def test_synthetic_inputs_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out[0], out[1])
+
+
+def test_token_weights_scale_each_tokens_outer_product():
+    torch.manual_seed(0)
+    x = torch.randn(7, 5)
+    w = torch.rand(7)
+    for normalize in (False, True):
+        h = optq.Hessian(5, dtype=torch.float64, normalize_tokens=normalize)
+        h.update(x, weight=w)
+        xd = x.double()
+        if normalize:
+            xd = xd * (5**0.5 / xd.norm(dim=1, keepdim=True))
+        want = sum(float(w[t]) * torch.outer(xd[t], xd[t]) for t in range(7)) * (2.0 / 7)
+        assert torch.allclose(h.matrix(), want, atol=1e-12)
+        assert h.count == 7
+    # Weight 1 everywhere is the unweighted Hessian; a zero weight drops the token's term.
+    a, b = optq.Hessian(5, dtype=torch.float64), optq.Hessian(5, dtype=torch.float64)
+    a.update(x, weight=torch.ones(7))
+    b.update(x)
+    assert torch.equal(a.sum, b.sum)
+    c = optq.Hessian(5, dtype=torch.float64)
+    c.update(x, weight=torch.tensor([0.0] * 6 + [1.0]))
+    d = optq.Hessian(5, dtype=torch.float64)
+    d.update(x[6:])
+    assert torch.allclose(c.sum, d.sum, atol=1e-12)
+
+
+def test_bad_token_weights_are_refused():
+    h = optq.Hessian(3)
+    with pytest.raises(ValueError, match="one non-negative value per token"):
+        h.update(torch.randn(4, 3), weight=torch.ones(3))
+    with pytest.raises(ValueError, match="non-negative"):
+        h.update(torch.randn(4, 3), weight=torch.tensor([1.0, -1.0, 1.0, 1.0]))

@@ -1,0 +1,244 @@
+"""Mixture-of-experts layers as one linear per expert matrix, named as in the source checkpoint.
+
+transformers 5 keeps a layer's routed experts fused: ``experts.gate_up_proj [E, 2I, H]`` and
+``experts.down_proj [E, H, I]`` (3-D parameters, no ``nn.Linear``), and renames some modules at
+load time (Mixtral's ``block_sparse_moe`` becomes ``mlp``). Checkpoints on disk, and the serving
+engines that read them (vLLM, GPTQModel), keep one 2-D matrix per expert under the original
+names: ``block_sparse_moe.experts.3.w1.weight`` (Mixtral), ``mlp.experts.3.gate_proj.weight``
+(Qwen-MoE, DeepSeek-V3, OLMoE). transformers records that conversion per model type
+(``transformers.conversion_mapping``); this module reads it, in both directions:
+
+- :func:`unfuse_experts` replaces every fused experts module by :class:`ExpertLinears`: one
+  ``nn.Linear`` per expert matrix, the children named as the checkpoint names them
+  (``experts.3.w1``), and a forward computing the same function (same routing, same order of
+  accumulation). Each expert's linears then receive exactly the tokens routed to it, so the
+  pipeline builds each expert's Hessian from its own tokens, and packs each expert like any linear.
+- :func:`checkpoint_namer` maps the model's tensor names to the checkpoint's (the reverse of
+  transformers' load-time renamings), for writing and for reading shards.
+
+A fused module whose layout differs (biases, transposed or interleaved gate/up, no gate) or whose
+model type has no recorded per-expert checkpoint layout is left alone; :func:`unfuse_experts`
+returns it with the reason, and the run reports its weights as float, by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ExpertLinears", "ExpertsLayout", "unfuse_experts", "checkpoint_namer", "experts_layout",
+           "is_router", "expert_index"]
+
+_PER_EXPERT = re.compile(r"experts\.\*\.(\w+)\.weight$")
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+
+
+def is_router(name: str) -> bool:
+    """True for a mixture-of-experts router (``mlp.gate``, ``router``, ``shared_expert_gate``)."""
+    return name.rsplit(".", 1)[-1] in ROUTER_NAMES
+
+
+def expert_index(name: str) -> int | None:
+    """The expert number in a name like ``...experts.3.w1`` (None for other layers)."""
+    m = re.search(r"\.experts\.(\d+)\.", name + ".")
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a fused module maps to per-expert linears: ``gate_up`` names the matrices stacked (in
+    this order, along the output dimension) into ``gate_up_proj[e]``; ``down`` is ``down_proj[e]``."""
+
+    gate_up: tuple[str, ...]
+    down: str
+
+
+def experts_layout(model: nn.Module) -> ExpertsLayout | None:
+    """The per-expert checkpoint layout transformers records for this model type, if any."""
+    gate_up = down = None
+    for conv in _conversions(model):
+        if type(conv).__name__ != "WeightConverter":
+            continue
+        targets = list(conv.target_patterns)
+        leaves = [m.group(1) for m in (_PER_EXPERT.search(s) for s in conv.source_patterns) if m]
+        ops = [type(op).__name__ for op in getattr(conv, "operations", [])]
+        if len(targets) != 1 or len(leaves) != len(conv.source_patterns) or not ops or ops[0] != "MergeModulelist":
+            continue
+        if targets[0].endswith("experts.gate_up_proj") and len(leaves) == 2 and ops[1:] == ["Concatenate"]:
+            gate_up = tuple(leaves)
+        elif targets[0].endswith("experts.down_proj") and len(leaves) == 1 and len(ops) == 1:
+            down = leaves[0]
+    return ExpertsLayout(gate_up, down) if gate_up and down else None
+
+
+def _conversions(model: nn.Module) -> list:
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # a transformers without load-time conversions: names are the checkpoint's
+        return []
+    try:
+        convs = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # not a transformers model (custom nn.Module)
+        return []
+    return [c for c in convs if type(c).__name__ != "PrefixChange"]
+
+
+def checkpoint_namer(model: nn.Module) -> Callable[[str], str]:
+    """A function from the model's tensor names to the names its checkpoint stores them under.
+
+    The identity for models transformers loads without renaming (every dense model optq has
+    met); Mixtral's ``model.layers.0.mlp.experts.3.w1.weight`` becomes
+    ``model.layers.0.block_sparse_moe.experts.3.w1.weight``. Apply it after
+    :func:`unfuse_experts`: fused 3-D expert tensors have no per-expert name.
+    """
+    renamings = []
+    for conv in reversed(_conversions(model)):
+        if type(conv).__name__ == "WeightRenaming":
+            renamings.append(conv.reverse_transform())
+    if not renamings:
+        return lambda name: name
+    from transformers.core_model_loading import apply_renamings
+
+    cache: dict[str, str] = {}
+
+    def name(key: str) -> str:
+        if key not in cache:
+            cache[key] = apply_renamings(key, renamings)
+        return cache[key]
+
+    return name
+
+
+class ExpertLinears(nn.ModuleList):
+    """Routed experts as ``nn.Linear`` modules: ``self[e]`` holds expert ``e``'s matrices under
+    their checkpoint names; ``forward(hidden_states, top_k_index, top_k_weights)`` is that of
+    transformers' fused experts (``act(gate(x)) * up(x)``, then ``down``, scaled by the routing
+    weight and summed per token, experts in increasing order).
+
+    ``calibrate_all``: experts that, in this forward, run every token rather than only their
+    routed ones, and keep the routed rows of the result. Set by the pipeline during Hessian
+    passes only (``--moe-calibration all`` and the fallback for starved experts): the linears
+    then see all tokens, while the block's output still follows the true routing.
+    """
+
+    def __init__(self, layout: ExpertsLayout, act_fn: nn.Module, num_experts: int, hidden: int, inter: int,
+                 *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        experts = []
+        for _ in range(num_experts):
+            e = nn.Module()
+            for leaf in layout.gate_up:
+                setattr(e, leaf, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
+            setattr(e, layout.down, nn.Linear(inter, hidden, bias=False, device=device, dtype=dtype))
+            experts.append(e)
+        super().__init__(experts)
+        self.layout = layout
+        self.act_fn = act_fn
+        self.num_experts = num_experts
+        self.calibrate_all: frozenset[int] = frozenset()
+        # The routing weight of each token in the current call of an expert (None when it runs
+        # every token): the pipeline reads it to weigh Hessians by routing (moe_weighting).
+        self.routing_weight: torch.Tensor | None = None
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` applied to the tokens ``x`` (without the routing weight)."""
+        ex = self[e]
+        gate, up = (getattr(ex, leaf)(x) for leaf in self.layout.gate_up)
+        return getattr(ex, self.layout.down)(self.act_fn(gate) * up)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0)[: self.num_experts].tolist()
+        for e in range(self.num_experts):
+            if not hit[e] and e not in self.calibrate_all:
+                continue
+            pos, idx = torch.where(mask[e])
+            w = top_k_weights[idx, pos, None]
+            if e in self.calibrate_all:
+                self.routing_weight = None
+                y = self.expert(e, hidden_states)[idx]
+            else:
+                self.routing_weight = w[:, 0]
+                y = self.expert(e, hidden_states[idx])
+            self.routing_weight = None
+            y = y * w
+            out.index_add_(0, idx, y.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, layout={self.layout}"
+
+
+def _fused_reason(module: nn.Module) -> str | None:
+    """Why a module holding 3-D expert parameters cannot become ExpertLinears (None: it can)."""
+    gu, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
+    if gu is None or down is None:
+        return "fused experts without gate_up_proj/down_proj"
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False}
+    odd = [k for k, want in flags.items() if getattr(module, k, want) != want]
+    if odd:
+        return "fused experts with a layout optq does not unfuse (" + ", ".join(odd) + ")"
+    if gu.dim() != 3 or down.dim() != 3 or not hasattr(module, "act_fn"):
+        return "fused experts of an unknown layout"
+    e, two_i, h = gu.shape
+    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        return f"fused experts of unexpected shapes {tuple(gu.shape)} and {tuple(down.shape)}"
+    return None
+
+
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules holding 3-D (fused) expert weights, by name."""
+    return {name: m for name, m in model.named_modules()
+            if any(p.dim() == 3 for p in m._parameters.values() if p is not None)}
+
+
+def unfuse_experts(model: nn.Module) -> tuple[list[str], dict[str, str]]:
+    """Replace each fused experts module of ``model`` by :class:`ExpertLinears`, in place.
+
+    Weights are copied per expert (meta tensors stay meta). Returns the names of the replaced
+    modules and, for fused modules left as they are, ``{parameter name: reason}``.
+    """
+    fused = fused_experts(model)
+    if not fused:
+        return [], {}
+    layout = experts_layout(model)
+    done: list[str] = []
+    left: dict[str, str] = {}
+    for name, module in fused.items():
+        reason = _fused_reason(module)
+        if reason is None and layout is None:
+            reason = ("fused experts of a model type whose per-expert checkpoint names transformers does "
+                      "not record")
+        if reason is not None:
+            for pname, p in module._parameters.items():
+                if p is not None and p.dim() == 3:
+                    left[f"{name}.{pname}"] = reason
+            continue
+        assert layout is not None
+        gu, down = module.gate_up_proj, module.down_proj
+        e, two_i, h = gu.shape
+        inter = two_i // 2
+        new = ExpertLinears(layout, module.act_fn, e, h, inter, device="meta", dtype=gu.dtype)
+        for k in range(e):
+            parts = (gu[k, :inter], gu[k, inter:])
+            for leaf, w in zip(layout.gate_up, parts):
+                getattr(new[k], leaf).weight = _param(w)
+            getattr(new[k], layout.down).weight = _param(down[k])
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        done.append(name)
+    return done, left
+
+
+def _param(w: torch.Tensor) -> nn.Parameter:
+    # A copy of its own per expert: views of one storage would share a version counter, and the
+    # pipeline's solutions watch each weight's counter for changes.
+    data = torch.empty_like(w, device="meta") if w.is_meta else w.detach().clone()
+    return nn.Parameter(data, requires_grad=False)

@@ -1,0 +1,244 @@
+"""Mixture-of-experts models through the pipeline: every expert quantized from its own tokens,
+routers in float, starved experts handled and reported, chunked Hessians, batch-order
+independence, and each expert's objective against a Hessian computed here from the final model.
+
+Tiny random models (tests/tiny_moe.py): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and a custom
+top-1 ModuleList MoE whose expert MARKED is routed only the marked token (last batch) and whose
+expert NEVER is never routed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import optq
+
+pytest.importorskip("transformers")
+from tiny_moe import ALL, FUSED, MARK, MARKED, NEVER, build, tokens  # noqa: E402
+
+from optq.formats.experts import ExpertLinears, unfuse_experts  # noqa: E402
+from optq.formats.linears import find_linears  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CFG = optq.QuantConfig(bits=3, group_size=16)
+
+
+def quantize(arch: str, ids: torch.Tensor | None = None, **kw):
+    model = build(arch)
+    unfuse_experts(model)  # as quantize does first, so the original weights have the same names
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    kw.setdefault("progress", False)
+    kw.setdefault("batch_size", 4)
+    report = optq.quantize(model, tokens(n=16, seqlen=32) if ids is None else ids, CFG, **kw)
+    return model, report, original
+
+
+def expert_linears(model) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in find_linears(model).items() if re.search(r"\.experts\.\d+\.", n)}
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- every expert
+@pytest.mark.parametrize("arch", ALL)
+def test_every_expert_is_quantized_and_routers_stay_float(arch):
+    model, report, original = quantize(arch)
+    experts = expert_linears(model)
+    assert len(experts) == (4 * 3 * 2 if arch != "deepseek_v3" else 4 * 3), sorted(experts)[:5]
+    for name, mod in experts.items():
+        assert name in report.layers and name in report.solutions, name
+        sol = report.solutions[name]
+        # On its grid: the weight is what its codes, scales and zeros give, and it moved.
+        assert torch.equal(mod.weight, sol.dequantize().to(mod.weight.dtype)), name
+        assert not torch.equal(mod.weight, original[f"{name}.weight"]), name
+        assert report.layers[name].hessian is not None
+    routers = [k for k in original if k.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))]
+    assert routers
+    for key in routers:
+        assert torch.equal(model.state_dict()[key], original[key]), key
+        module = key[: -len(".weight")]
+        assert key in report.skipped or module in report.skipped, key
+    if arch in FUSED:  # fused experts became one nn.Linear per matrix, same names as the checkpoint
+        assert any(isinstance(m, ExpertLinears) for m in model.modules())
+        assert not any(p.dim() == 3 for p in model.parameters())
+    # Shared experts (Qwen2-MoE, DeepSeek-V3) are ordinary linears, quantized too.
+    for name in find_linears(model):
+        if "shared_expert." in name or "shared_experts." in name:
+            assert name in report.solutions, name
+
+
+def test_include_can_force_routers_but_wildcards_over_the_mlp_do_not():
+    _, report, _ = quantize("qwen2_moe", include=["*.shared_expert_gate", "*.experts.*"])
+    assert "model.layers.0.mlp.shared_expert_gate" in report.solutions
+    _, report, _ = quantize("custom", include=["*.mlp.*"])
+    assert "model.layers.0.mlp.gate" not in report.solutions
+    assert "model.layers.0.mlp.gate" in report.skipped
+
+
+def test_bad_moe_options_are_refused():
+    model = build("mixtral")
+    for kw in ({"moe_calibration": "some"}, {"moe_min_tokens": -1}, {"max_hessian_memory": 0},
+               {"moe_weighting": "x"}, {"hessian_dtype": "float16"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            optq.quantize(model, tokens(), CFG, progress=False, **kw)
+
+
+# --------------------------------------------------------------------------- objectives
+def _objective(W: torch.Tensor, W_hat: torch.Tensor, X: torch.Tensor) -> float:
+    """½ tr(Δ H Δᵀ), H = 2/n Σ_t (K/|x_t|²) x_t x_tᵀ (tokens at unit RMS), in float64."""
+    X = X.reshape(-1, X.shape[-1]).double()
+    K = X.shape[1]
+    Xn = X * (K**0.5 / X.norm(dim=1, keepdim=True))
+    H = 2.0 / X.shape[0] * Xn.T @ Xn
+    D = (W - W_hat).double()
+    return 0.5 * float(((D @ H) * D).sum())
+
+
+def _inputs(model, ids: torch.Tensor) -> tuple[dict[str, list], dict[str, list]]:
+    """Each expert linear's inputs, and each ExpertLinears module's full input, in ``model``."""
+    per, whole = {}, {}
+    handles = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, ExpertLinears):
+            handles.append(mod.register_forward_pre_hook(lambda _m, a, n=name: whole.setdefault(n, []).append(a[0])))
+        elif re.search(r"\.experts\.\d+\.", name) and isinstance(mod, torch.nn.Linear):
+            handles.append(mod.register_forward_pre_hook(lambda _m, a, n=name: per.setdefault(n, []).append(a[0])))
+    with torch.no_grad():
+        for b in range(0, len(ids), 4):
+            model(input_ids=ids[b : b + 4], use_cache=False)
+    for h in handles:
+        h.remove()
+    return per, whole
+
+
+@pytest.mark.parametrize("arch", FUSED)
+@pytest.mark.parametrize("mode", ["routed", "all"])
+def test_expert_objectives_match_a_hessian_built_here(arch, mode):
+    ids = tokens(n=16, seqlen=32)
+    model, report, original = quantize(arch, ids, moe_calibration=mode, moe_min_tokens=0)
+    # Every expert's input in the final model is what its stage saw: attention, routers and
+    # earlier blocks were final before the experts' stages; gate/up before down.
+    per, whole = _inputs(model, ids)
+    checked = 0
+    for name, mod in expert_linears(model).items():
+        row = report.layers[name]
+        if mode == "routed":
+            X = torch.cat(per[name])
+            assert row.hessian == "routed" and row.tokens == X.shape[0], (name, row.hessian, row.tokens)
+        else:
+            owner = name.rsplit(".", 2)[0]
+            X = torch.cat(whole[owner])
+            experts = model.get_submodule(owner)
+            e, leaf = int(name.rsplit(".", 2)[1]), name.rsplit(".", 1)[1]
+            if leaf == experts.layout.down:  # all tokens through this expert's quantized gate/up
+                gate, up = (getattr(experts[e], g) for g in experts.layout.gate_up)
+                with torch.no_grad():
+                    X = experts.act_fn(gate(X)) * up(X)
+            assert row.hessian == "all" and row.tokens == X.shape[0]
+        want = _objective(original[f"{name}.weight"], mod.weight, X)
+        assert row.objective == pytest.approx(want, rel=2e-3, abs=1e-7), name
+        assert row.objective <= row.rtn_objective * (1 + 1e-6), name
+        checked += 1
+    assert checked == len(expert_linears(model))
+
+
+# --------------------------------------------------------------------------- starved experts
+def test_starved_fused_experts_take_the_all_token_hessian_and_say_so():
+    ids = tokens(n=4, seqlen=16)  # 64 tokens, top-2 of 4 experts: about 32 routed each
+    model, report, _ = quantize("mixtral", ids, moe_min_tokens=40)
+    per, whole = _inputs(model, ids)
+    fell_back = [n for n, r in report.layers.items() if r.hessian and r.hessian.startswith("all (fallback")]
+    routed = [n for n, r in report.layers.items() if r.hessian == "routed"]
+    assert fell_back
+    for name in fell_back:
+        n_routed = sum(x.shape[0] for x in per.get(name, []))
+        assert f"{n_routed} routed tokens < 40" in report.layers[name].hessian
+        assert name in report.fallbacks and report.layers[name].tokens == 64
+    for name in routed:
+        assert report.layers[name].tokens >= 40
+
+
+def test_custom_moduleList_experts_starved_and_never_routed():
+    ids = tokens(n=8, seqlen=16)  # MARK only in the last sample: batch 2 of 2
+    model, report, original = quantize("custom", ids, moe_min_tokens=0)
+    for layer in (0, 1):
+        marked = f"model.layers.{layer}.mlp.experts.{MARKED}"
+        never = f"model.layers.{layer}.mlp.experts.{NEVER}"
+        for leaf in ("gate_proj", "up_proj", "down_proj"):
+            row = report.layers[f"{marked}.{leaf}"]
+            assert row.tokens == int((ids == MARK).sum()) and row.hessian == "routed"
+            row = report.layers[f"{never}.{leaf}"]
+            assert row.tokens == 0 and row.hessian.startswith("none") and f"{never}.{leaf}" in report.fallbacks
+            assert f"{never}.{leaf}" in report.solutions  # rounded to nearest, packed like the rest
+        assert report.moe[f"model.layers.{layer}"]["discovery_forwards"] == 2  # the marked batch found it
+    # With the default threshold, the one-token expert is rounded to nearest, and says why.
+    _, report, _ = quantize("custom", ids)
+    row = report.layers[f"model.layers.0.mlp.experts.{MARKED}.gate_proj"]
+    assert "rounded to nearest" in row.hessian and row.fallback == row.hessian
+
+
+# --------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("arch", ["mixtral", "custom"])
+def test_same_bytes_whatever_the_batch_order_or_size(arch):
+    ids = tokens(n=8, seqlen=16)
+    kw = {"moe_min_tokens": 0, "hessian_dtype": "float64"}
+    ref, _, _ = quantize(arch, ids, batch_size=4, **kw)
+    ref_w = _weights(ref)
+    for other_ids, bs in ((ids.flip(0), 4), (ids, 8), (ids[torch.randperm(8, generator=torch.Generator().manual_seed(3))], 2)):
+        model, _, _ = quantize(arch, other_ids, batch_size=bs, **kw)
+        got = _weights(model)
+        for key in ref_w:
+            assert torch.equal(got[key], ref_w[key]), (key, bs)
+
+
+def test_hessian_budget_chunks_experts_with_extra_forwards_and_the_same_weights():
+    ids = tokens(n=8, seqlen=16)
+    ref, ref_report, _ = quantize("mixtral", ids, moe_min_tokens=0)
+    # Room for two gate/up Hessians (32 inputs; solver's + plain, float32): the 4 experts' gate/up
+    # take 2 chunks, while their down projections (16 inputs, a quarter of the bytes) fit in one.
+    small, report, _ = quantize("mixtral", ids, moe_min_tokens=0, max_hessian_memory=2 * 32 * 32 * 4 * 2)
+    for block, info in report.moe.items():
+        assert info["stages"] == 2 and ref_report.moe[block]["chunks"] == 2
+        assert info["chunks"] == 3
+        assert info["extra_forwards"] == ref_report.moe[block]["extra_forwards"] + 1
+    ref_w, got = _weights(ref), _weights(small)
+    assert all(torch.equal(ref_w[k], got[k]) for k in ref_w)
+
+
+def test_pause_strategy_replays_moe_blocks_with_the_same_weights():
+    ids = tokens(n=8, seqlen=16)
+    a, _, _ = quantize("custom", ids, moe_min_tokens=0)
+    b, _, _ = quantize("custom", ids, moe_min_tokens=0, strategy="pause")
+    wa, wb = _weights(a), _weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_routing_weighted_hessian_weighs_each_token_by_its_squared_routing_weight():
+    ids = tokens(n=8, seqlen=16)
+    model, report, original = quantize("qwen3_moe", ids, moe_min_tokens=0, moe_weighting="routing")
+    name = "model.layers.0.mlp.experts.1.gate_proj"
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    weights: list[torch.Tensor] = []
+    xs: list[torch.Tensor] = []
+
+    def grab(_m, args):
+        if experts.routing_weight is not None:
+            weights.append(experts.routing_weight.clone())
+            xs.append(args[0])
+
+    handle = experts[1].gate_proj.register_forward_pre_hook(grab)
+    with torch.no_grad():
+        for b in range(0, len(ids), 4):
+            model(input_ids=ids[b : b + 4], use_cache=False)
+    handle.remove()
+    X, w = torch.cat(xs).double(), torch.cat(weights).double()
+    K = X.shape[1]
+    Xn = X * (K**0.5 / X.norm(dim=1, keepdim=True)) * w[:, None]  # sqrt(w²) = w
+    H = 2.0 / X.shape[0] * Xn.T @ Xn
+    D = (original[f"{name}.weight"] - model.get_submodule(name).weight).double()
+    assert report.layers[name].objective == pytest.approx(0.5 * float(((D @ H) * D).sum()), rel=2e-3)
+    assert report.layers[name].hessian.startswith("routed, weighted")

@@ -1,0 +1,107 @@
+"""Tiny randomly initialised mixture-of-experts causal LMs, built in the tests (no download):
+Mixtral, Qwen2-MoE (shared expert + shared_expert_gate), Qwen3-MoE, DeepSeek-V3 (a dense first
+layer, shared + routed experts, MLA attention), and a custom Llama whose MLPs are top-1
+``nn.ModuleList`` experts where one expert is routed only the marked token and one never."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+MARK = VOCAB - 1  # the token that alone routes to the custom model's expert MARKED
+EXPERTS = 4
+MARKED, NEVER = 2, 3  # the custom model's experts: routed only MARK, and never routed
+
+FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+ALL = [*FUSED, "custom"]
+
+
+def _config(arch: str):
+    t = transformers
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, num_hidden_layers=2)
+    if arch == "mixtral":
+        return t.MixtralConfig(intermediate_size=16, num_local_experts=EXPERTS, num_experts_per_tok=2, **common)
+    if arch == "qwen2_moe":
+        return t.Qwen2MoeConfig(intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1, **common)
+    if arch == "qwen3_moe":
+        return t.Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=16, num_experts=EXPERTS,
+                                num_experts_per_tok=2, head_dim=8, **common)
+    if arch == "deepseek_v3":
+        return t.DeepseekV3Config(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=EXPERTS,
+                                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=8,
+                                  **{**common, "num_key_value_heads": 4})
+    if arch == "custom":
+        return t.LlamaConfig(intermediate_size=16, **common)
+    raise KeyError(arch)
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Top1MoE(nn.Module):
+    """Top-1 routing over an ``nn.ModuleList`` of experts (as older or custom MoE code does).
+
+    The router favours expert MARKED only for hidden states whose first feature is large (the
+    marked token's embedding makes it so) and never picks expert NEVER."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, EXPERTS, bias=True)
+        self.experts = nn.ModuleList(Expert(hidden, inter) for _ in range(EXPERTS))
+        with torch.no_grad():
+            self.gate.weight.mul_(0.1)
+            self.gate.weight[MARKED] = 0.0
+            self.gate.weight[MARKED, 0] = 10.0
+            self.gate.bias.zero_()
+            self.gate.bias[MARKED] = -30.0
+            self.gate.bias[NEVER] = -1e4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.gate(flat).softmax(dim=-1)
+        weight, idx = probs.max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            sel = (idx == e).nonzero().squeeze(1)
+            if sel.numel():
+                out.index_add_(0, sel, expert(flat[sel]) * weight[sel, None])
+        return out.reshape(shape)
+
+
+def build(arch: str, seed: int = 0) -> nn.Module:
+    """A tiny random MoE causal LM (fp32, eval mode)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(arch))
+    if arch == "custom":
+        cfg = model.config
+        for layer in model.model.layers:
+            layer.mlp = Top1MoE(cfg.hidden_size, cfg.intermediate_size)
+        with torch.no_grad():  # the marked token: a large first feature that survives the norms
+            model.model.embed_tokens.weight[MARK] = 0.0
+            model.model.embed_tokens.weight[MARK, 0] = 50.0
+    return model.float().eval()
+
+
+def tokens(n: int = 6, seqlen: int = 16, seed: int = 1, mark_last: bool = True) -> torch.Tensor:
+    """Random calibration ids [n, seqlen] without MARK, except (``mark_last``) in the last sample."""
+    ids = torch.randint(0, MARK, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+    if mark_last:
+        ids[-1, seqlen // 2] = MARK
+    return ids
