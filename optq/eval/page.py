@@ -192,6 +192,37 @@ def _layers(report: dict[str, Any], figures: Any) -> str:
     return "\n".join(out)
 
 
+def _experts(report: dict[str, Any]) -> str | None:
+    rows = [r for r in _run_order(report.get("layers", {})) if r.get("hessian")]
+    if not rows:
+        return None  # a dense model: no section
+    experts: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        m = re.match(r"(.+\.experts)\.(\d+)\.(.+)$", r["name"])
+        experts.setdefault((m[1], int(m[2])) if m else (r["name"], -1), []).append(r)
+    sources: dict[str, int] = {}
+    for r in rows:
+        kind = r["hessian"].split(" (")[0].split(",")[0].split(":")[0]
+        sources[kind] = sources.get(kind, 0) + 1
+    moe = report.get("moe", {})
+    extra = sum(b.get("extra_forwards", 0) for b in moe.values())
+    opts = report.get("options", {})
+    out = [f"<p>{len(rows)} expert linears in {len(experts)} experts, every one quantized. Hessian from: "
+           + ", ".join(f"{html.escape(k)} {v}" for k, v in sorted(sources.items()))
+           + f". Calibration mode {html.escape(str(opts.get('moe_calibration', 'routed')))}, starved below "
+           f"{html.escape(str(opts.get('moe_min_tokens', '?')))} routed tokens; {extra} block forwards beyond "
+           f"the dense schedule over {len(moe)} blocks (discovery, Hessian chunks, fallbacks).</p>"]
+    table = []
+    for (module, e), members in experts.items():
+        ratios = ", ".join(f"{m['name'].rsplit('.', 1)[-1]} {_fmt(m['objective'] / m['rtn_objective'], 3)}"
+                           if m["rtn_objective"] else m["name"].rsplit(".", 1)[-1] for m in members)
+        first = members[0]
+        table.append((f"{module}.{e}", first["tokens"], first["hessian"], first.get("fallback") or "", ratios))
+    body = _table(["expert", "tokens", "Hessian", "fallback", "GPTQ / RTN objective"], table)
+    out.append(body if len(table) <= 64 else f"<details><summary>Every expert ({len(table)})</summary>{body}</details>")
+    return "\n".join(out)
+
+
 def _exceptions(report: dict[str, Any], sizes: dict[str, Any]) -> str:
     parts = []
     fallbacks = report.get("fallbacks", {})
@@ -299,10 +330,12 @@ def build_page(folder: str | Path, evaluations: Sequence[str | Path] | None = No
     sections = [
         ("summary", "Summary", _summary(folder, report, config, sizes, _calib_hint(evals))),
         ("layers", "Per layer: GPTQ against round-to-nearest", _layers(report, drawer)),
+        ("experts", "Mixture of experts", _experts(report)),
         ("calibration", "Calibration statistics", _calibration(report, drawer)),
         ("quality", "Quality", _quality(evals, drawer)),
         ("float", "Fallbacks and what stays in floating point", _exceptions(report, sizes)),
     ]
+    sections = [(i, t, c) for i, t, c in sections if c is not None]
     nav = "".join(f'<a href="#{i}">{html.escape(t)}</a>' for i, t, _ in sections)
     body = "".join(f'<section id="{i}"><h2>{html.escape(t)}</h2>\n{c}</section>\n' for i, t, c in sections)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

@@ -15,9 +15,10 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from optq.formats.experts import is_router
 from optq.formats.linears import find_linears
 
-__all__ = ["find_blocks", "select_names"]
+__all__ = ["find_blocks", "select_names", "drop_routers"]
 
 
 def _module_lists(model: nn.Module) -> Iterable[tuple[str, nn.ModuleList]]:
@@ -95,3 +96,20 @@ def select_names(
                 )
     kept = [n for n in names if not include or any(_matches(n, p) for p in include)]
     return [n for n in kept if not any(_matches(n, p) for p in exclude)]
+
+
+def drop_routers(names: Sequence[str], targets: set[str],
+                 include: Sequence[str] | str | None) -> tuple[set[str], list[str]]:
+    """``targets`` without the mixture-of-experts routers, and the routers dropped.
+
+    A router stays a target only when an ``include`` pattern is about routers: one that matches
+    routers and no other linear (``*.gate`` and ``*.shared_expert_gate`` do, ``*.mlp.*`` does not).
+    """
+    patterns = [include] if isinstance(include, str) else list(include or [])
+    forced: set[str] = set()
+    for p in patterns:
+        hits = select_names(names, [p])
+        if hits and all(is_router(n) for n in hits):
+            forced.update(hits)
+    dropped = sorted(n for n in targets if is_router(n) and n not in forced)
+    return targets - set(dropped), dropped

@@ -46,7 +46,7 @@ from optq.formats.linears import find_linears, get_weight, is_linear
 from optq.pipeline import capture
 from optq.pipeline.block import quantize_block
 from optq.pipeline.calibration import calibration_samples, make_batches, max_positions
-from optq.pipeline.discovery import find_blocks, select_names
+from optq.pipeline.discovery import drop_routers, find_blocks, select_names
 from optq.pipeline.moe import DEFAULT_MIN_TOKENS, MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
 from optq.pipeline.report import Report
 
@@ -233,9 +233,8 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
                 if p.dim() >= 2 and full not in skipped:  # e.g. Mixtral's router, a bare weight
                     skipped[full] = ("router: kept in float" if is_router(f"{blocks_name}.{i}.{mname}")
                                      else "not a linear layer: kept in float")
-    named = _forced_routers(all_linears, include)
-    for name in sorted(n for n in targets if is_router(n) and n not in named):
-        targets.discard(name)
+    targets, routers = drop_routers(list(all_linears), targets, include)
+    for name in routers:
         skipped[name] = "router: kept in float (name it in include to quantize it)"
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
@@ -280,18 +279,6 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
         "hessian_dtype": hessian_dtype,
     }
     return Run(blocks_name, blocks, all_linears, targets, batches, device, options, skipped)
-
-
-def _forced_routers(linears: dict[str, nn.Module], include: Sequence[str] | str | None) -> set[str]:
-    # Routers are quantized only when an include pattern is about routers: one that matches
-    # routers and no other linear ("*.gate" does, "*.mlp.*" does not).
-    patterns = [include] if isinstance(include, str) else list(include or [])
-    forced: set[str] = set()
-    for p in patterns:
-        hits = select_names(list(linears), [p])
-        if hits and all(is_router(n) for n in hits):
-            forced.update(hits)
-    return forced
 
 
 def _loop(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ from optq.pipeline import capture
 from optq.pipeline.hessians import LayerHessians
 
 __all__ = ["Stage", "plan_stages", "collect_stage", "MOE_CALIBRATION", "DEFAULT_MIN_TOKENS",
-           "default_hessian_budget", "expert_parts", "NoTokens", "MOE_WEIGHTING"]
+           "default_hessian_budget", "expert_parts", "NoTokens", "MOE_WEIGHTING", "siblings"]
 
 log = logging.getLogger("optq.pipeline")
 
@@ -76,6 +76,13 @@ class Stage:
 def expert_parts(name: str) -> tuple[str, int, str] | None:
     m = _EXPERT.match(name)
     return (m["module"], int(m["e"]), m["leaf"]) if m else None
+
+
+def siblings(names: Iterable[str], name: str) -> list[str]:
+    """The same matrix of every expert of ``name``'s experts module (``name`` included)."""
+    parts = expert_parts(name)
+    assert parts is not None
+    return [n for n in names if (p := expert_parts(n)) and p[0] == parts[0] and p[2] == parts[2]]
 
 
 def plan_stages(block: nn.Module, prefix: str, plan: capture.Plan, targets: set[str]) -> list[Stage]:

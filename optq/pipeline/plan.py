@@ -50,10 +50,12 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
+from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import SAFETENSORS_DTYPES, parse_size, safetensors_header, split_shards
 from optq.formats.linears import find_linears, get_weight
 from optq.formats.packing import packed_length
-from optq.pipeline.discovery import find_blocks, select_names
+from optq.pipeline.discovery import drop_routers, find_blocks, select_names
+from optq.pipeline.moe import default_hessian_budget, expert_parts, siblings
 
 __all__ = ["RUNTIME_BYTES", "Plan", "machine_speed", "plan"]
 
@@ -255,7 +257,8 @@ def _header_bytes(entries: dict[str, tuple[tuple[int, ...], str, int]]) -> int:
 def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_size: int = 8,
          compute_dtype: torch.dtype = torch.float32, propagate: str = "quantized", strategy: str = "replay",
          include: Any = None, exclude: Any = None, format: str = "gptq", max_shard_size: int | str = "5GB",
-         source_dtype: torch.dtype | None = None, method: str = "gptq", speed: dict[str, float] | None = None) -> Plan:
+         source_dtype: torch.dtype | None = None, method: str = "gptq", speed: dict[str, float] | None = None,
+         moe_calibration: str = "routed", max_hessian_memory: int | None = None) -> Plan:
     """The plan of quantizing ``source`` (a model folder, built-in name, config dict or
     transformers config) with these settings; reads no tensor data. ``source_dtype`` is needed
     only for a config (default: its ``torch_dtype``/``dtype``, else bfloat16); ``speed`` as
@@ -263,6 +266,8 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
     from optq.formats.gptq import describe_gptq
 
     model, cfg, src = _skeleton(source)
+    unfuse_experts(model)  # as the run does: one linear per expert matrix
+    namer = checkpoint_namer(model)
     blocks_name, blocks = find_blocks(model)
     tensors = _persistent(model)
     if src is not None:
@@ -282,7 +287,8 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
 
     names = {f"{blocks_name}.{i}": find_linears(blk, f"{blocks_name}.{i}") for i, blk in enumerate(blocks)}
     all_names = [n for lin in names.values() for n in lin]
-    targets = set(select_names(all_names, include, exclude))
+    targets, _ = drop_routers(all_names, set(select_names(all_names, include, exclude)), include)
+    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 1)
     listing, packed, block_params, flops, solve_units, hess_flops, solve_peak = [], {}, [], 0.0, 0.0, 0.0, 0
     for i, blk in enumerate(blocks):
         bname = f"{blocks_name}.{i}"
@@ -296,17 +302,34 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
                          "quantized": n in targets})
             if n in targets:
                 bias = getattr(mod, "bias", None) is not None
-                packed.update({f"{n}.{k}": v for k, v in _packed_bytes(int(K), int(N), bias, config).items()})
-            flops += 2 * T * N * K
+                packed.update({namer(f"{n}.{k}"): v for k, v in _packed_bytes(int(K), int(N), bias, config).items()})
+            flops += 2 * (T * top_k // len(siblings(lin, n)) if expert_parts(n) else T) * N * K
+        stage_hessians: dict[str, int] = {}
+        stage_solve: dict[str, int] = {}
         for members in groups.values():
             mine = [n for n in members if n in targets]
             if not mine:
                 continue
             K = get_weight(lin[mine[0]]).shape[1]
             R = sum(get_weight(lin[n]).shape[0] for n in mine)
-            solve_peak = max(solve_peak, (K * K + 5 * R * K + 4 * K * K) * 4)
-            hess_flops += 2 * T * K * K
+            solve = (5 * R * K + 4 * K * K) * 4
+            parts = expert_parts(mine[0])
+            if parts is not None:
+                # An expert stage holds all its experts' Hessians (solver's and plain, float32)
+                # while they are solved, up to the budget; each expert sees its share of the
+                # routed tokens, or all of them with "all".
+                key = f"{parts[0]}@{parts[2]}"
+                stage_hessians[key] = stage_hessians.get(key, 0) + K * K * 8
+                stage_solve[key] = max(stage_solve.get(key, 0), solve)
+                share = T if moe_calibration == "all" else T * top_k // len(siblings(lin, mine[0]))
+                hess_flops += 2 * share * K * K
+            else:
+                solve_peak = max(solve_peak, K * K * 4 + solve)
+                hess_flops += 2 * T * K * K
             solve_units += K**3 + R * K * K if method == "gptq" else 0
+        budget = max_hessian_memory or default_hessian_budget()
+        for key, held in stage_hessians.items():
+            solve_peak = max(solve_peak, min(held, budget) + stage_solve[key])
         params = sum(p.numel() for p in blk.parameters())
         block_params.append(params)
         listing.append({"name": bname, "params": int(params), "linears": rows})
@@ -362,8 +385,8 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
     notes = []
     three_d = [n for n, p in blocks[-1].named_parameters() if p.dim() >= 3]
     if three_d:
-        notes.append(f"{len(three_d)} fused 3-D parameter(s) per block ({', '.join(three_d[:3])}) are not linear "
-                     "layers: they are kept as stored, not quantized (as the pipeline does)")
+        notes.append(f"{len(three_d)} fused 3-D parameter(s) per block ({', '.join(three_d[:3])}) have a layout optq "
+                     "does not unfuse: they are kept as stored, in float, and reported (as the pipeline does)")
     settings = {"nsamples": nsamples, "seqlen": seqlen, "batch_size": batch_size, "bits": config.bits,
                 "group_size": config.group_size, "strategy": strategy, "propagate": propagate, "format": format,
                 "compute_dtype": str(compute_dtype).removeprefix("torch."), "max_shard_size": str(max_shard_size),

@@ -242,3 +242,22 @@ def test_routing_weighted_hessian_weighs_each_token_by_its_squared_routing_weigh
     D = (original[f"{name}.weight"] - model.get_submodule(name).weight).double()
     assert report.layers[name].objective == pytest.approx(0.5 * float(((D @ H) * D).sum()), rel=2e-3)
     assert report.layers[name].hessian.startswith("routed, weighted")
+
+
+def test_plan_lists_every_expert_and_bounds_the_stage_hessians_by_the_budget():
+    from optq.pipeline.plan import plan
+
+    cfg = build("mixtral").config.to_dict()
+    cfg["num_local_experts"] = 64  # enough that an expert stage's Hessians outweigh any dense group
+    speed = {"flops": 1e10, "solve_unit": 1e-9}
+    big = plan(cfg, nsamples=4, seqlen=16, config=CFG, speed=speed)
+    names = [r["name"] for b in big.blocks for r in b["linears"]]
+    assert {f"model.layers.0.mlp.experts.{e}.{m}" for e in range(4) for m in ("w1", "w2", "w3")} <= set(names)
+    quantized = {r["name"] for b in big.blocks for r in b["linears"] if r["quantized"]}
+    assert "model.layers.0.mlp.experts.3.w2" in quantized
+    # A stage of 64 experts' gate/up Hessians (32 inputs, solver's + plain, float32) with a solve of
+    # 2 x 16 rows, against one of them within a budget of one Hessian.
+    solve = (5 * 32 * 32 + 4 * 32 * 32) * 4
+    assert big.ram["hessian + solve"] == 64 * 32 * 32 * 8 + solve
+    small = plan(cfg, nsamples=4, seqlen=16, config=CFG, speed=speed, max_hessian_memory=32 * 32 * 8)
+    assert 32 * 32 * 8 + solve <= small.ram["hessian + solve"] < big.ram["hessian + solve"]
