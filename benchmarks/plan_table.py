@@ -44,6 +44,15 @@ MODELS = {
 }
 
 
+def _brief(plan_dict: dict) -> dict:
+    # Every block's linears listed would be 20 MB for DeepSeek-V3 (47k expert linears): counts only.
+    for b in plan_dict["blocks"]:
+        lin = b.pop("linears")
+        b["linears"] = len(lin)
+        b["quantized"] = sum(x["quantized"] for x in lin)
+    return plan_dict
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nsamples", type=int, default=128)
@@ -59,7 +68,7 @@ def main() -> int:
         r, d = fp32.ram, fp32.disk
         params = sum(b["params"] for b in fp32.blocks)
         q = sum(x["in"] * x["out"] for b in fp32.blocks for x in b["linears"] if x["quantized"])
-        out[name] = {"float32": fp32.to_dict(), "bfloat16": bf16.to_dict(), "quantized_weights": q}
+        out[name] = {"float32": _brief(fp32.to_dict()), "bfloat16": _brief(bf16.to_dict()), "quantized_weights": q}
         rows.append([name, f"{params / 1e9:.0f}B in {len(fp32.blocks)} blocks", f"{r['one block'] / GB:.1f}",
                      f"{fp32.capture['embeddings (+ norm)'] / GB:.1f}", f"{r['activations'] / GB:.1f}",
                      f"{r['hessian + solve'] / GB:.1f}", f"**{fp32.peak_ram / GB:.1f}**", f"{bf16.peak_ram / GB:.1f}",

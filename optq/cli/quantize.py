@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +81,21 @@ def register(subparsers: Any) -> None:
     c.add_argument("--include", action="append", metavar="PATTERN",
                    help="quantize only matching linears (wildcards or re:REGEX; repeatable)")
     c.add_argument("--exclude", action="append", metavar="PATTERN", help="skip matching linears")
+    m = p.add_argument_group("mixture of experts (see docs/moe.md)")
+    m.add_argument("--moe-calibration", choices=("routed", "all"), default="all",
+                   help="each expert's Hessian from every calibration token (default; the block's "
+                        "output keeps the true routing), or from the tokens routed to it")
+    m.add_argument("--moe-min-tokens", type=int, default=None, metavar="N",
+                   help="with routed: an expert routed fewer tokens is starved and takes the all-token "
+                        "Hessian (default: the layer's input width)")
+    m.add_argument("--moe-weighting", choices=("none", "routing"), default="none",
+                   help="weigh an expert's tokens by their squared routing weight (default none)")
+    m.add_argument("--max-hessian-memory", default=None, metavar="SIZE",
+                   help="memory for one stage of experts' Hessians, e.g. 8GB; more experts are "
+                        "collected in chunks, one block forward each (default: a quarter of RAM)")
+    c.add_argument("--hessian-dtype", choices=("float32", "float64"), default="float32",
+                   help="float64 sums Hessians exactly enough that batch order and size do not change "
+                        "the weights (slower Hessian products)")
     o = p.add_argument_group("output")
     o.add_argument("--format", choices=("gptq", "gptq_v2", "compressed-tensors"), default="gptq",
                    help="gptq (v1, what most loaders read; default), gptq_v2, or compressed-tensors "
@@ -207,12 +223,27 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, propagate=args.propagate, nsamples=args.nsamples, seqlen=args.seqlen,
         seed=args.seed, include=args.include, exclude=args.exclude, batch_size=args.batch_size,
         method=args.method, strategy=args.strategy, resume=args.resume, overwrite=args.overwrite,
-        offload_activations=args.offload_activations,
+        offload_activations=args.offload_activations, **moe_options(args),
         progress=not args.no_progress, provenance={"model": args.model, "calib": args.calib},
     )
     print(summary(report))
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all, {load_s:.1f} s preparing)")
     return 0
+
+
+def moe_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The mixture-of-experts and Hessian options of a run, from the command line."""
+    from optq.formats.files import parse_size
+
+    try:
+        budget = parse_size(args.max_hessian_memory) if args.max_hessian_memory else None
+    except ValueError as exc:
+        raise CliError(f"--max-hessian-memory: {exc}") from None
+    if args.moe_min_tokens is not None and args.moe_min_tokens < 0:
+        raise CliError("--moe-min-tokens must be 0 or more")
+    return {"moe_calibration": args.moe_calibration, "moe_min_tokens": args.moe_min_tokens,
+            "moe_weighting": args.moe_weighting, "max_hessian_memory": budget,
+            "hessian_dtype": args.hessian_dtype}
 
 
 def _dry_run(folder: Path, args: argparse.Namespace, config: Any) -> int:
@@ -230,7 +261,9 @@ def _dry_run(folder: Path, args: argparse.Namespace, config: Any) -> int:
         the_plan = plan(folder, nsamples=args.nsamples, seqlen=args.seqlen, config=config,
                         batch_size=args.batch_size, propagate=args.propagate, strategy=args.strategy,
                         include=args.include, exclude=args.exclude, format=args.format,
-                        max_shard_size=args.max_shard_size, method=args.method, compute_dtype=dtype)
+                        max_shard_size=args.max_shard_size, method=args.method, compute_dtype=dtype,
+                        moe_calibration=args.moe_calibration,
+                        max_hessian_memory=moe_options(args)["max_hessian_memory"])
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(the_plan.format())
@@ -241,7 +274,8 @@ def summary(report: Any) -> str:
     """A table of the report, one row per kind of layer (e.g. self_attn.q_proj) over all blocks."""
     kinds: dict[str, list[Any]] = {}
     for name, row in report.layers.items():
-        kinds.setdefault(".".join(name.split(".")[-2:]), []).append(row)
+        parts = re.sub(r"\.experts\.\d+\.", ".experts.", name).split(".")
+        kinds.setdefault(".".join(parts[-2:]), []).append(row)
     head = (f"{'layer':<22}{'count':>6}{'objective':>12}{'rtn':>12}{'obj/rtn':>9}{'worst':>8}"
             f"{'rel err':>10}{'out/rtn':>9}")
     lines = [head, "-" * len(head)]
@@ -270,6 +304,12 @@ def summary(report: Any) -> str:
     if report.config.get("normalize_tokens"):
         lines.append("objective: on unit-RMS tokens (what GPTQ minimised); out/rtn: plain output "
                      "error |ΔWx|² against round-to-nearest's, on a sample of the tokens")
+    by_reason: dict[str, list[str]] = {}
     for name, why in {**report.skipped, **report.fallbacks}.items():
-        lines.append(f"note: {name}: {why}")
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():  # one line per reason: 256 starved experts are one note
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        lines.append(f"note: {shown}: {why}")
+    if by_reason:
+        lines.append("every layer and its reason: quantization_report.json (optq report draws it)")
     return "\n".join(lines)

@@ -210,7 +210,7 @@ def _experts(report: dict[str, Any]) -> str | None:
     out = [f"<p>{len(rows)} expert linears in {len(experts)} experts, every one quantized. Hessian from: "
            + ", ".join(f"{html.escape(k)} {v}" for k, v in sorted(sources.items()))
            + f". Calibration mode {html.escape(str(opts.get('moe_calibration', 'routed')))}, starved below "
-           f"{html.escape(str(opts.get('moe_min_tokens', '?')))} routed tokens; {extra} block forwards beyond "
+           f"{html.escape(str(opts.get('moe_min_tokens') or 'input-width'))} routed tokens; {extra} block forwards beyond "
            f"the dense schedule over {len(moe)} blocks (discovery, Hessian chunks, fallbacks).</p>"]
     table = []
     for (module, e), members in experts.items():

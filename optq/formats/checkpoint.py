@@ -8,6 +8,11 @@ Where the quantized layers come from, either:
 - ``optq.formats.qlinear.replace_linears(model, solutions)`` first, then ``save(model, folder)``: every
   :class:`~optq.formats.qlinear.QuantLinear` in the model is written.
 
+Tensors are written under the names the model's original checkpoint uses
+(:func:`optq.formats.experts.checkpoint_namer`): a mixture-of-experts model's routed experts one
+2-D matrix per expert, as Mixtral's ``block_sparse_moe.experts.3.w1``, each packed like any
+linear (docs/moe-checkpoints.md); :func:`load` reads those names back.
+
 Example::
 
     >>> optq.save(model, "out/llama-4bit", solutions=report.solutions, tokenizer=tok)  # doctest: +SKIP
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from optq.formats import compressed_tensors as checkpoint_ct
+from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import (
     atomic_folder,
     read_index,
@@ -45,17 +51,38 @@ from optq.formats.qlinear import QuantLinear
 if TYPE_CHECKING:
     from optq.core.solver import Solution
 
-__all__ = ["save", "load", "CheckpointError", "quantized_layers", "gptq_config"]
+__all__ = ["save", "load", "CheckpointError", "quantized_layers", "gptq_config", "layer_namer"]
 
 log = logging.getLogger("optq.checkpoint")
 SAVE_FORMATS = (*FORMATS, "compressed-tensors")
 REPORT_FILE = "quantization_report.json"
 
 
-def _state_dict(model: nn.Module, layers: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Model tensors with quantized layers replaced; tied duplicates (lm_head) dropped."""
+def layer_namer(names: Callable[[str], str]) -> Callable[[str], str]:
+    """Module names from a tensor namer (:func:`checkpoint_namer`'s): a module ``m`` is named as
+    its weight ``m.weight`` is, so that the packed tensors ``m.qweight``... sit where it did."""
+
+    def name(module: str) -> str:
+        full = names(f"{module}.weight")
+        return full[: -len(".weight")] if full.endswith(".weight") else names(module)
+
+    return name
+
+
+def _state_dict(model: nn.Module, layers: Mapping[str, Mapping[str, torch.Tensor]],
+                names: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """Model tensors with quantized layers replaced, under checkpoint names (``names``); tied
+    duplicates (lm_head) dropped."""
     prefixes = tuple(f"{n}." for n in layers)
     out: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # checkpoint name -> model name, to catch two tensors given one name
+
+    def put(key: str, model_key: str, t: torch.Tensor) -> None:
+        if key in out:
+            raise CheckpointError(f"{source[key]} and {model_key} would both be written as {key}")
+        source[key] = model_key
+        out[key] = t.detach().contiguous()
+
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     for key, t in model.state_dict().items():
         if key.startswith(prefixes):
@@ -64,10 +91,11 @@ def _state_dict(model: nn.Module, layers: Mapping[str, Mapping[str, torch.Tensor
         if ident in seen:
             continue  # tied to an earlier tensor (lm_head <- embed_tokens); loaders re-tie
         seen[ident] = key
-        out[key] = t.detach().contiguous()
+        put(names(key), key, t)
+    module_name = layer_namer(names)
     for name, tensors in layers.items():
         for k, t in tensors.items():
-            out[f"{name}.{k}"] = t.detach().contiguous()
+            put(f"{module_name(name)}.{k}", f"{name}.{k}", t)
     # safetensors refuses tensors sharing memory: copy the (rare) views of one storage.
     storages: set[int] = set()
     for key, t in out.items():
@@ -97,19 +125,27 @@ def save(
     ``quantize_config.json`` (GPTQ formats), safetensors (sharded with an index above
     ``max_shard_size``), tokenizer files and ``quantization_report.json`` when given. Everything
     is written to a temporary folder beside ``folder`` and renamed at the end.
+
+    Tensor names, and the module names in ``quantization_config`` (compressed-tensors'
+    ``ignore``), are those of the model's original checkpoint. Fused experts (transformers 5's
+    3-D ``experts.gate_up_proj``) are first split into one linear per expert, in ``model``
+    itself (:func:`~optq.formats.experts.unfuse_experts`; the same function, now per expert);
+    those that cannot be split are written as they are, in float.
     """
     if format not in SAVE_FORMATS:
         raise CheckpointError(f"format={format!r} is unknown; choose one of {SAVE_FORMATS}")
     folder = Path(folder)
     if folder.exists() and not overwrite:
         raise FileExistsError(f"{folder} already exists; pass overwrite=True or choose another folder")
+    unfuse_experts(model)
+    names = checkpoint_namer(model)
     layers = quantized_layers(model, solutions, format)
     if format == "compressed-tensors":
-        qconfig, tensors = checkpoint_ct.export(model, layers)
+        qconfig, tensors = checkpoint_ct.export(model, layers, names=layer_namer(names))
     else:
         qconfig = gptq_config(layers, format)
         tensors = {n: q.state_dict() for n, q in layers.items()}
-    state = _state_dict(model, tensors)
+    state = _state_dict(model, tensors, names)
     config = model.config.to_dict()
     if not config.get("architectures"):  # as save_pretrained does; loaders pick the class from it
         config["architectures"] = [type(model).__name__]
@@ -139,6 +175,11 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     (or ``weight_packed``) tensor become :class:`~optq.formats.qlinear.QuantLinear`. Every tensor is checked
     against the expected shape and dtype; missing, unexpected or mismatched tensors raise
     :class:`CheckpointError`. Other weights are cast to ``dtype``.
+
+    Tensors are looked up under the original checkpoint's names (what :func:`save` writes):
+    a mixture-of-experts model's fused experts become
+    :class:`~optq.formats.experts.ExpertLinears` whose per-expert linears are read from
+    ``...experts.{e}.w1.qweight`` (or ``.gate_proj``...) as QuantLinear.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -173,20 +214,29 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) stay real
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.tie_weights()  # from_config leaves meta parameters untied; tying follows the config
+    unfuse_experts(model)  # one linear per expert, as checkpoints store them
+    tensor_name = checkpoint_namer(model)
+    module_name = layer_namer(tensor_name)
+    modules = {module_name(n): n for n, _ in model.named_modules() if n}  # checkpoint -> model name
+    quantized: dict[str, str] = {}  # model name -> checkpoint name of the quantized layers
     for name in names:
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            raise CheckpointError(f"tensor {name}{marker} names no module of {type(model).__name__}") from None
+        if name not in modules:
+            raise CheckpointError(f"tensor {name}{marker} names no module of {type(model).__name__}")
+        mname = modules[name]
+        module = model.get_submodule(mname)
         if not is_linear(module):
             raise CheckpointError(f"tensor {name}{marker} names a {type(module).__name__}, not a linear layer")
         n_out, n_in = get_weight(module).shape
         layer = QuantLinear(n_in, n_out, bits, group_size, f"{name}.bias" in index, fmt, device="meta")
-        parent, _, child = name.rpartition(".")
+        parent, _, child = mname.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
+        quantized[mname] = name
 
-    expected = model.state_dict(keep_vars=True)
-    tied = _tied_keys(model, expected)
+    own = model.state_dict(keep_vars=True)
+    keys = _checkpoint_keys(own, tensor_name, quantized)  # model key -> checkpoint key
+    expected = {keys[k]: t for k, t in own.items()}
+    model_key = {v: k for k, v in keys.items()}
+    tied = {keys[k] for k in _tied_keys(model, own)}
     missing = [k for k in expected if k not in index and k not in tied]
     unexpected = [k for k in index if k not in expected]
     if missing or unexpected:
@@ -209,13 +259,13 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     for key, tensor in read_tensors(folder, index, [k for k in index if k not in tied]):
         _check_values(folder / index[key][0], key, tensor, key.startswith(quant_prefixes), expected)
         want = expected[key]
-        state[key] = tensor.to(want.dtype) if tensor.dtype != want.dtype else tensor
+        state[model_key[key]] = tensor.to(want.dtype) if tensor.dtype != want.dtype else tensor
     if convert is not None:
-        state = convert(state, names)
+        state = convert(state, list(quantized))  # both under the model's names
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(hf_config, "tie_word_embeddings", False) and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    left = [keys.get(n, n) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
     model.config.quantization_config = qc
@@ -246,6 +296,24 @@ def _check_values(path: Path, key: str, tensor: torch.Tensor, quantized: bool,
             bad = f"group indices outside [0, {groups})"
     if bad is not None:
         raise CheckpointError(f"{path}: tensor {key} has {bad}; the file is corrupt, re-save or re-download it")
+
+
+def _checkpoint_keys(own: Mapping[str, torch.Tensor], tensor_name: Callable[[str], str],
+                     quantized: Mapping[str, str]) -> dict[str, str]:
+    """Model key -> checkpoint key of every tensor in ``own`` (the model's state dict).
+
+    A quantized layer's tensors (qweight, ..., bias) sit under its checkpoint name
+    (``quantized``: model name -> checkpoint name); every other tensor is named by
+    ``tensor_name``. Two keys given one checkpoint name are refused.
+    """
+    out: dict[str, str] = {}
+    for key in own:
+        owner, _, leaf = key.rpartition(".")
+        out[key] = f"{quantized[owner]}.{leaf}" if owner in quantized else tensor_name(key)
+    if len(set(out.values())) != len(out):
+        clash = sorted(k for k in out if list(out.values()).count(out[k]) > 1)
+        raise CheckpointError(f"tensors {clash[:4]} would be read from one checkpoint name")
+    return out
 
 
 def _tied_keys(model: nn.Module, expected: Mapping[str, torch.Tensor]) -> set[str]:

@@ -11,18 +11,19 @@ same dense bit stream as GPTQ; ``weight_scale`` [N, G] in the model's float dtyp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from optq.formats.experts import is_router
 from optq.formats.gptq import CheckpointError, gptq_config
-from optq.formats.linears import find_linears
+from optq.formats.linears import is_linear
 from optq.formats.packing import pack
 from optq.formats.qlinear import QuantLinear
 
-__all__ = ["export", "export_layer", "check_exportable", "describe", "plan_load"]
+__all__ = ["export", "export_layer", "check_exportable", "describe", "ignored", "plan_load"]
 
 
 def _words(count: int, bits: int) -> int:
@@ -30,15 +31,32 @@ def _words(count: int, bits: int) -> int:
 
 
 def export(
-    model: nn.Module, layers: Mapping[str, QuantLinear]
+    model: nn.Module, layers: Mapping[str, QuantLinear], *, names: Callable[[str], str] | None = None
 ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """(quantization_config, {layer name: tensors}) for the pack-quantized format."""
+    """(quantization_config, {layer name: tensors}) for the pack-quantized format.
+
+    ``names`` maps a module name of ``model`` to the checkpoint's (for the ``ignore`` list;
+    ``optq.formats.checkpoint.layer_namer``); the tensors stay keyed by the model's names."""
     base = gptq_config(layers, "gptq_v2")
     check_exportable(base)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     tensors = {name: export_layer(name, q, sym=base["sym"], dtype=dtype) for name, q in layers.items()}
-    ignore = sorted(n for n in find_linears(model) if n not in layers)
-    return describe(base, ignore), tensors
+    return describe(base, ignored(model, layers, names)), tensors
+
+
+def ignored(model: nn.Module, quantized: Container[str], names: Callable[[str], str] | None = None) -> list[str]:
+    """The ``ignore`` list: modules left in float that the ``Linear`` target could claim, under
+    checkpoint names (``names``): float linears, and mixture-of-experts routers (``mlp.gate``;
+    no ``nn.Linear`` in transformers 5, but one in older transformers and in vLLM, whose
+    llm-compressor recipes list them too)."""
+    out = []
+    for name, module in model.named_modules():
+        if not name or name in quantized:
+            continue
+        weight = getattr(module, "weight", None)
+        if is_linear(module) or (is_router(name) and isinstance(weight, torch.Tensor) and weight.dim() == 2):
+            out.append((names or str)(name))
+    return sorted(out)
 
 
 def check_exportable(base: Mapping[str, Any]) -> None:

@@ -136,7 +136,8 @@ class ExpertLinears(nn.ModuleList):
             experts.append(e)
         super().__init__(experts)
         self.layout = layout
-        self.act_fn = act_fn
+        # Not a child module: a ModuleList's children are its members (len, iteration, indexing).
+        self.__dict__["act_fn"] = act_fn
         self.num_experts = num_experts
         self.calibrate_all: frozenset[int] = frozenset()
         # The routing weight of each token in the current call of an expert (None when it runs

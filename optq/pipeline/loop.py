@@ -47,7 +47,7 @@ from optq.pipeline import capture
 from optq.pipeline.block import quantize_block
 from optq.pipeline.calibration import calibration_samples, make_batches, max_positions
 from optq.pipeline.discovery import drop_routers, find_blocks, select_names
-from optq.pipeline.moe import DEFAULT_MIN_TOKENS, MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
+from optq.pipeline.moe import MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
 from optq.pipeline.report import Report
 
 __all__ = ["quantize", "Report"]
@@ -76,7 +76,7 @@ def quantize(
     batch_size: int = 8,
     method: str = "gptq",
     strategy: str = "replay",
-    moe_calibration: str = "routed",
+    moe_calibration: str = "all",
     moe_min_tokens: int | None = None,
     max_hessian_memory: int | None = None,
     moe_weighting: str = "none",
@@ -114,15 +114,16 @@ def quantize(
             solved, then resumes: one forward per block, about 13% less time on SmolLM2, but all
             batches' intermediate tensors stay alive: several times the activations). Both
             give the same weights. Blocks with mixture-of-experts experts are always replayed.
-        moe_calibration: where each mixture-of-experts expert's Hessian comes from: "routed"
-            (the tokens routed to it; an expert routed fewer than ``moe_min_tokens`` tokens gets
-            the "all" Hessian instead, or, for experts in a model's own ``nn.ModuleList``, is
-            rounded to nearest) or "all" (every calibration token, for the Hessians only).
+        moe_calibration: where each mixture-of-experts expert's Hessian comes from: "all"
+            (default: every calibration token, for the Hessians only; the block's output keeps
+            the true routing) or "routed" (the tokens routed to it; an expert routed fewer than
+            ``moe_min_tokens`` tokens gets the "all" Hessian instead). Experts in a model's own
+            ``nn.ModuleList`` are always "routed", and rounded to nearest when starved.
             Fused transformers experts are replaced by one ``nn.Linear`` per expert matrix
             (``optq.formats.experts.ExpertLinears``, the same function); routers stay float
             unless ``include`` names them. See docs/moe.md.
-        moe_min_tokens: the starved-expert threshold (default
-            ``optq.pipeline.moe.DEFAULT_MIN_TOKENS``).
+        moe_min_tokens: the starved-expert threshold (default: the layer's input width, below
+            which an expert's Hessian is singular).
         max_hessian_memory: bytes the Hessians of one stage of experts may take; more experts
             are collected in chunks, one block forward each (default: a quarter of the RAM).
         moe_weighting: "none" (every routed token weighs the same in an expert's Hessian) or
@@ -185,7 +186,7 @@ class Run:
 def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagate: str, tokenizer: Any,
             nsamples: int | None, seqlen: int | None, seed: int, include: Any, exclude: Any,
             device: torch.device | str | None, batch_size: int, method: str, strategy: str,
-            moe_calibration: str = "routed", moe_min_tokens: int | None = None,
+            moe_calibration: str = "all", moe_min_tokens: int | None = None,
             max_hessian_memory: int | None = None, moe_weighting: str = "none",
             hessian_dtype: str = "float32") -> Run:
     """Check the arguments of a run and derive its blocks, targets, batches, device and options
@@ -273,7 +274,7 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
         "exclude": exclude,
         "blocks": blocks_name,
         "moe_calibration": moe_calibration,
-        "moe_min_tokens": DEFAULT_MIN_TOKENS if moe_min_tokens is None else moe_min_tokens,
+        "moe_min_tokens": moe_min_tokens,  # None: each layer's input width
         "max_hessian_memory": max_hessian_memory or default_hessian_budget(),
         "moe_weighting": moe_weighting,
         "hessian_dtype": hessian_dtype,

@@ -258,7 +258,7 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
          compute_dtype: torch.dtype = torch.float32, propagate: str = "quantized", strategy: str = "replay",
          include: Any = None, exclude: Any = None, format: str = "gptq", max_shard_size: int | str = "5GB",
          source_dtype: torch.dtype | None = None, method: str = "gptq", speed: dict[str, float] | None = None,
-         moe_calibration: str = "routed", max_hessian_memory: int | None = None) -> Plan:
+         moe_calibration: str = "all", max_hessian_memory: int | None = None) -> Plan:
     """The plan of quantizing ``source`` (a model folder, built-in name, config dict or
     transformers config) with these settings; reads no tensor data. ``source_dtype`` is needed
     only for a config (default: its ``torch_dtype``/``dtype``, else bfloat16); ``speed`` as

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,9 @@ class SafetensorsSource:
     """A Hugging Face model folder whose weights are safetensors (one file or shards + index).
 
     ``loaded`` counts how often each tensor was read (tests use it to prove that nothing is
-    read twice or before it is needed).
+    read twice or before it is needed). ``names`` maps a tensor name of the model to the key the
+    checkpoint stores it under (the identity until :meth:`use_names`); :meth:`tensor_names` and
+    :meth:`load` look model tensors up through it, :meth:`read` takes checkpoint keys.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -72,6 +74,12 @@ class SafetensorsSource:
             raise SourceError(f"{self.folder} is already quantized ({self.config_dict['quantization_config'].get('quant_method')}); quantize the original model")
         self.index = read_index(self.folder)
         self.loaded: Counter[str] = Counter()
+        self.names: Callable[[str], str] = _same
+
+    def use_names(self, names: Callable[[str], str]) -> None:
+        """Look model tensors up under ``names(model name)``: the checkpoint's own names, for
+        models transformers renames at load time (``optq.formats.experts.checkpoint_namer``)."""
+        self.names = names
 
     @property
     def dtype(self) -> torch.dtype:
@@ -130,7 +138,8 @@ class SafetensorsSource:
     def tensor_names(self, module: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
         """Checkpoint key -> the module's tensor names that hold it (tied parameters share one key).
 
-        Tensors all of whose names start with one of ``skip`` (module-relative prefixes such as
+        The key of a tensor is ``names(prefix.name)`` (see :meth:`use_names`). Tensors all of
+        whose names start with one of ``skip`` (module-relative prefixes such as
         ``"model.layers."``) are left out. Raises SourceError naming a tensor the module needs
         that the checkpoint lacks.
         """
@@ -145,11 +154,13 @@ class SafetensorsSource:
         for key, names in groups.items():
             if skip and all(n.startswith(skip) for n in names):
                 continue
-            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            full = [self.names(f"{prefix}.{n}" if prefix else n) for n in names]
             found = [f for f in full if f in self.index]
             if not found:
+                own = f"{prefix}.{names[0]}" if prefix else names[0]
+                mine = "" if full[0] == own else f" as {own}"
                 raise SourceError(
-                    f"{self.folder} has no tensor {full[0]} (needed by {type(module).__name__}); "
+                    f"{self.folder} has no tensor {full[0]} (needed by {type(module).__name__}{mine}); "
                     "is the checkpoint complete and written under transformers' names?"
                 )
             out[found[0]] = names
@@ -157,7 +168,7 @@ class SafetensorsSource:
 
     def load(self, module: nn.Module, prefix: str, device: torch.device | str, dtype: torch.dtype | None,
              skip: tuple[str, ...] = ()) -> None:
-        """Read ``module``'s tensors (checkpoint names ``prefix.<name>``) onto ``device``.
+        """Read ``module``'s tensors (checkpoint keys ``names(prefix.<name>)``) onto ``device``.
 
         Floating-point tensors are cast to ``dtype`` (None keeps the source dtype); ``skip`` as
         in :meth:`tensor_names`. Tied tensors are read once and stay tied.
@@ -189,6 +200,10 @@ class SafetensorsSource:
                 meta = torch.empty_like(t, device="meta")
                 done[id(t)] = nn.Parameter(meta, requires_grad=False) if _is_parameter(module, name) else meta
             _assign(module, name, done[id(t)])
+
+
+def _same(name: str) -> str:
+    return name
 
 
 def _split(name: str) -> tuple[str, str]:

@@ -6,8 +6,10 @@ reads each decoder block from the safetensors shards only while it is quantized 
 ``OUT.partial/`` (``optq.pipeline.journal``), then frees the block. At the end the checkpoint
 is assembled shard by shard: packed tensors from the journal, every other tensor copied from
 the source as stored (a bf16 model's embeddings, norms and head stay bf16), under the source's
-own names. Peak memory: the runtime, the calibration activations, one block in the compute
-dtype and its solve, the embeddings, and one output shard at the end; not the model's depth.
+own names: the packed layers too, a Mixtral expert's as ``block_sparse_moe.experts.3.w1.qweight``
+where transformers names the module ``mlp.experts.3.w1``. Peak memory: the runtime, the
+calibration activations, one block in the compute dtype and its solve, the embeddings, and one
+output shard at the end; not the model's depth.
 
 A run killed at any moment resumes with ``resume=True`` (``--resume``) after the last finished
 block, from the activations saved with it, and ends with the same bytes as an uninterrupted run
@@ -31,7 +33,8 @@ from torch import nn
 
 from optq.core.config import QuantConfig
 from optq.formats import compressed_tensors
-from optq.formats.checkpoint import REPORT_FILE
+from optq.formats.checkpoint import REPORT_FILE, layer_namer
+from optq.formats.experts import checkpoint_namer
 from optq.formats.files import INDEX, read_header, write_json, write_safetensors_lazily
 from optq.formats.gptq import describe_gptq, is_natural
 from optq.formats.linears import find_linears
@@ -78,6 +81,11 @@ def quantize_pretrained(
     offload_activations: bool = False,
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
+    moe_calibration: str = "all",
+    moe_min_tokens: int | None = None,
+    max_hessian_memory: int | None = None,
+    moe_weighting: str = "none",
+    hessian_dtype: str = "float32",
 ) -> Report:
     """Quantize the safetensors model at ``source`` into the checkpoint folder ``out``.
 
@@ -111,7 +119,10 @@ def quantize_pretrained(
     model = src.skeleton(dtype)
     run = prepare(model, calibration, config, propagate=propagate, tokenizer=tokenizer, nsamples=nsamples,
                   seqlen=seqlen, seed=seed, include=include, exclude=exclude, device=device,
-                  batch_size=batch_size, method=method, strategy=strategy)
+                  batch_size=batch_size, method=method, strategy=strategy, moe_calibration=moe_calibration,
+                  moe_min_tokens=moe_min_tokens, max_hessian_memory=max_hessian_memory,
+                  moe_weighting=moe_weighting, hessian_dtype=hessian_dtype)
+    src.use_names(checkpoint_namer(model))  # after prepare, which splits fused experts per expert
     options = {**run.options, "format": format, "max_shard_size": str(max_shard_size),
                "compute_dtype": str(dtype).removeprefix("torch."), "source_dtype": str(src.dtype).removeprefix("torch."),
                "streaming": True, **(provenance or {})}
@@ -124,7 +135,7 @@ def quantize_pretrained(
     }
     journal = Journal(out, manifest, resume=resume, overwrite=overwrite)
     report = Report(layers={}, config=config.to_dict(), options=options, versions=_versions(),
-                    seconds=0.0, block_seconds=[])
+                    seconds=0.0, block_seconds=[], skipped=dict(run.skipped))
     _restore(report, journal.state.get("report"))
     blocks, prefix = run.blocks, run.blocks_name
     head = _head_name(model)
@@ -153,7 +164,8 @@ def quantize_pretrained(
                             static_groups=bool(config.static_groups), damp=config.damp,
                             checkpoint_format="gptq_v2" if format == "compressed-tensors" else format)
     if format == "compressed-tensors":
-        qconfig = compressed_tensors.describe(qconfig, sorted(n for n in find_linears(model) if n not in run.targets))
+        ignore = compressed_tensors.ignored(model, run.targets, layer_namer(src.names))
+        qconfig = compressed_tensors.describe(qconfig, ignore)
     report.seconds = time.perf_counter() - start
     with journal.writing(journal.folder):
         _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
@@ -169,6 +181,7 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
     blocks, prefix = run.blocks, run.blocks_name
     opts = {**run.options, "device": run.device}
     natural = (journal.state.get("report") or {}).get("natural", True)
+    module_name = layer_namer(src.names)  # packed tensors go under the checkpoint's names
     bar = tqdm(total=len(blocks), initial=journal.done, desc="optq", unit="block", disable=not progress)
     try:
         for i in range(journal.done, len(blocks)):
@@ -191,7 +204,7 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
                     tensors = compressed_tensors.export_layer(lname, layer, sym=config.sym, dtype=src.dtype)
                 else:
                     tensors = layer.state_dict()
-                packed.update({f"{lname}.{k}": v for k, v in tensors.items()})
+                packed.update({f"{module_name(lname)}.{k}": v for k, v in tensors.items()})
             src.release(block)
             report.block_seconds.append(time.perf_counter() - t0)
             journal.write_block(i, packed)
@@ -286,6 +299,7 @@ def _snapshot(report: Report) -> dict[str, Any]:
         "block_seconds": report.block_seconds,
         "skipped": report.skipped,
         "fallbacks": report.fallbacks,
+        "moe": report.moe,
     }
 
 
@@ -300,3 +314,4 @@ def _restore(report: Report, state: dict[str, Any] | None) -> None:
     report.block_seconds.extend(state["block_seconds"])
     report.skipped.update(state["skipped"])
     report.fallbacks.update(state["fallbacks"])
+    report.moe.update(state.get("moe", {}))
