@@ -7,9 +7,9 @@ tokenizer is not fetched). Each variant runs in a process of its own, so peak RS
 
 - ``rtn``: round to nearest;
 - ``routed0``: each expert's H from its routed tokens only, no starved-expert fallback;
-- ``routed``: the default, starved experts (fewer than moe_min_tokens routed) get the all-token H;
+- ``routed``: starved experts (fewer routed tokens than their input width) get the all-token H;
 - ``weighted``: ``routed`` with each token weighted by its squared routing weight;
-- ``all``: every calibration token through every expert, for the Hessians;
+- ``all`` (optq's default): every calibration token through every expert, for the Hessians;
 - ``budget``: ``routed`` with ``max_hessian_memory`` set to three experts' Hessians, so each stage
   of 8 experts is collected in chunks (extra forwards), and must give the same weights.
 
@@ -103,12 +103,15 @@ def child(args: argparse.Namespace) -> None:
     if v == "rtn":
         kw["method"] = "rtn"
     elif v == "routed0":
-        kw["moe_min_tokens"] = 0
+        kw.update(moe_calibration="routed", moe_min_tokens=0)
+    elif v == "routed":
+        kw["moe_calibration"] = "routed"
     elif v == "all":
         kw["moe_calibration"] = "all"
     elif v == "weighted":
-        kw["moe_weighting"] = "routing"
+        kw.update(moe_calibration="routed", moe_weighting="routing")
     elif v == "budget":
+        kw["moe_calibration"] = "routed"
         kw["max_hessian_memory"] = 3 * 2 * 4 * max(1024, args.inter) ** 2  # three of the largest Hessians
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0, c0 = time.perf_counter(), time.process_time()
@@ -172,14 +175,14 @@ def main() -> None:
     by = {r["variant"]: r for r in rows}
     print(f"\nrandom Mixtral, hidden 1024, 8 experts top-2, inter {args.inter}, {args.layers} blocks; "
           f"4-bit g128; calibration {args.nsamples} x {args.seqlen} ({rows[0]['source']}); held-out {args.heldout} x {args.seqlen}")
-    print(f"{'variant':9s} {'time s':>7s} {'peak MB':>8s} {'fwd/blk':>8s} {'extra':>6s} {'chunks':>7s} "
+    print(f"{'variant':9s} {'time s':>7s} {'cpu s':>7s} {'peak MB':>8s} {'fwd/blk':>8s} {'extra':>6s} {'chunks':>7s} "
           f"{'held-out err':>13s} {'KL':>10s} {'fallbacks':>9s}")
     for r in rows:
         moe = list(r["moe"].values())
         fwd = sum(m["forwards"] + m["discovery_forwards"] for m in moe) / max(1, len(moe))
         extra = sum(m["extra_forwards"] for m in moe) / max(1, len(moe))
         chunks = sum(m["chunks"] for m in moe) / max(1, len(moe))
-        print(f"{r['variant']:9s} {r['seconds']:7.1f} {r['peak_rss_mb']:8.0f} {fwd:8.1f} {extra:6.1f} {chunks:7.1f} "
+        print(f"{r['variant']:9s} {r['seconds']:7.1f} {r.get('cpu_seconds', float('nan')):7.1f} {r['peak_rss_mb']:8.0f} {fwd:8.1f} {extra:6.1f} {chunks:7.1f} "
               f"{r['heldout_layer_error']:13.5g} {r['kl']:10.4g} {r['fallbacks']:9d}")
     if "budget" in by and "routed" in by:
         same = by["budget"]["weights_sha256"] == by["routed"]["weights_sha256"]

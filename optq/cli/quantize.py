@@ -304,12 +304,14 @@ def summary(report: Any) -> str:
     if report.config.get("normalize_tokens"):
         lines.append("objective: on unit-RMS tokens (what GPTQ minimised); out/rtn: plain output "
                      "error |ΔWx|² against round-to-nearest's, on a sample of the tokens")
-    by_reason: dict[str, list[str]] = {}
+    by_reason: dict[str, list[tuple[str, str]]] = {}
     for name, why in {**report.skipped, **report.fallbacks}.items():
-        by_reason.setdefault(why, []).append(name)
-    for why, names in by_reason.items():  # one line per reason: 256 starved experts are one note
+        by_reason.setdefault(re.sub(r"\d+", "N", why), []).append((name, why))
+    for items in by_reason.values():  # one line per kind of reason: 256 starved experts are one note
+        names = [n for n, _ in items]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        lines.append(f"note: {shown}: {why}")
+        vary = " (numbers vary by layer)" if len({w for _, w in items}) > 1 else ""
+        lines.append(f"note: {shown}: {items[0][1]}{vary}")
     if by_reason:
         lines.append("every layer and its reason: quantization_report.json (optq report draws it)")
     return "\n".join(lines)

@@ -114,7 +114,9 @@ def quantize_block(
             moe_info["stages"] += 1
             moe_info["chunks"] += got.chunks
             moe_info["forwards"] += got.forwards
+            share = (time.perf_counter() - t0) / len(stage.subsets)  # each expert's part of the passes
             for subset in stage.subsets:
+                t0 = time.perf_counter() - share
                 rep = subset[0]
                 rtn = rep in got.rtn or got.hessians[rep].count == 0
                 hess = got.hessians[rep] if got.hessians[rep].count else moe.NoTokens(

@@ -159,3 +159,34 @@ def test_calibration_from_several_sources(model_dir, tmp_path, capsys):
     args[args.index("--calib") + 1] = f"{model_dir / 'calib.txt'},no-such-corpus"
     assert main([*args, "--overwrite"]) == 2
     assert "'no-such-corpus' is not a known corpus" in capsys.readouterr().err
+
+
+def test_quantize_a_mixture_of_experts_folder(model_dir, tmp_path, capsys):
+    """A tiny Mixtral saved beside the CLI's tokenizer: experts packed under the checkpoint's
+    names, the MoE flags reach the run, notes are grouped by reason, bad sizes are refused."""
+    from tiny_moe import build as build_moe
+
+    folder = tmp_path / "mixtral"
+    build_moe("mixtral").save_pretrained(folder)
+    for f in (model_dir / "model").glob("tokenizer*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    root = tmp_path
+    (root / "model").symlink_to(folder)
+    (root / "calib.txt").write_text((model_dir / "calib.txt").read_text())
+    out = tmp_path / "q"
+    assert main(_args(root, out, "--moe-calibration", "routed", "--moe-min-tokens", "1000",
+                      "--max-hessian-memory", "4KB")) == 0
+    printed = capsys.readouterr().out
+    assert "experts.w1" in printed  # the summary groups experts by matrix, not by number
+    # Every expert starved (64 tokens < 1000): one note for all of them, not one per expert.
+    notes = [line for line in printed.splitlines() if line.startswith("note:") and "fallback" in line]
+    assert len(notes) == 1 and "more" in notes[0]
+    report = json.loads(_report_file(out).read_text())
+    assert report["options"]["moe_calibration"] == "routed" and report["options"]["max_hessian_memory"] == 4000
+    assert all(b["chunks"] > b["stages"] for b in report["moe"].values())  # the 4 KB budget chunked
+    from optq.formats.files import read_index
+
+    index = read_index(out)
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.qweight" in index
+    assert main(_args(root, tmp_path / "bad", "--max-hessian-memory", "lots")) == 2
+    assert "--max-hessian-memory" in capsys.readouterr().err

@@ -8,6 +8,7 @@ expert NEVER is never routed."""
 
 from __future__ import annotations
 
+import html
 import re
 
 import pytest
@@ -324,3 +325,28 @@ def test_streamed_mixtral_killed_after_block_0_resumes_to_the_same_bytes(kit, tm
     resumed = kit.stream(tmp_path / "src", tmp_path / "out", resume=True)
     assert kit.folder_bytes(tmp_path / "out") == kit.folder_bytes(tmp_path / "ref")
     assert resumed.moe == ref.moe
+
+
+def test_report_page_lists_every_expert_with_its_tokens_and_hessian(tmp_path):
+    from optq.eval.page import build_page
+
+    ids = tokens(n=4, seqlen=16)
+    model, report, _ = quantize("mixtral", ids, moe_calibration="routed", moe_min_tokens=30)
+    optq.save(model, tmp_path / "q", solutions=report.solutions, report=report)
+    page = build_page(tmp_path / "q", figures=False)
+    assert 'id="experts"' in page
+    for layer in (0, 1):
+        for e in range(4):
+            row = report.layers[f"model.layers.{layer}.mlp.experts.{e}.w1"]
+            cells = (f"<td>model.layers.{layer}.mlp.experts.{e}</td><td>{row.tokens}</td>"
+                     f"<td>{html.escape(row.hessian)}</td>")
+            assert cells in page, cells
+    extra = sum(b["extra_forwards"] for b in report.moe.values())
+    assert f"{extra} block forwards beyond" in page
+    # A dense model's page has no such section.
+    from tiny import build as build_dense
+
+    dense = build_dense("llama")
+    r = optq.quantize(dense, tokens(), CFG, progress=False)
+    optq.save(dense, tmp_path / "d", solutions=r.solutions, report=r)
+    assert 'id="experts"' not in build_page(tmp_path / "d", figures=False)
