@@ -214,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if args.dry_run:
         return _dry_run(folder, args, config)
+    from optq.pipeline.dist import init_from_env
+
+    # Under torchrun (WORLD_SIZE > 1): one process group, gloo on CPU, NCCL and cuda:LOCAL_RANK on GPUs.
+    dist, args.device = init_from_env(args.device)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokens = _calibration_tokens(args.calib, tokenizer, args)
     load_s = time.perf_counter() - t0
@@ -226,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
         offload_activations=args.offload_activations, **moe_options(args),
         progress=not args.no_progress, provenance={"model": args.model, "calib": args.calib},
     )
+    if dist.rank != 0:  # rank 0 speaks for the run
+        return 0
     print(summary(report))
     print(f"wrote {out} ({time.perf_counter() - t0:.1f} s in all, {load_s:.1f} s preparing)")
     return 0

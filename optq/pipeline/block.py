@@ -15,19 +15,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from optq.core import solver
 from optq.core.config import QuantConfig
-from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.formats.experts import ExpertLinears
+from optq.formats.linears import find_linears, get_weight
 from optq.pipeline import capture, memory, moe
 from optq.pipeline.hessians import LayerHessians
+from optq.pipeline.dist import Dist
 from optq.pipeline.memo import Memo
-from optq.pipeline.report import LayerReport, Report
+from optq.pipeline.report import Report
+from optq.pipeline.solve import solve_subset, solve_units
 from optq.pipeline.stepper import PausedForwards
 
 __all__ = ["quantize_block"]
 
 log = logging.getLogger("optq.pipeline")
+NO_TOKENS = "none: no calibration token reached it; rounded to nearest, errors on H = I"
 
 
 def quantize_block(
@@ -53,8 +55,11 @@ def quantize_block(
     if not mine:
         _forward_in_place(block, hidden, calls, release)
         return
+    dist: Dist = opts.get("dist") or Dist()
     known = [n for n in mine if moe.expert_parts(n) and isinstance(_experts_of(block, prefix, n), ExpertLinears)]
     plan = capture.discover_subsets(block, linears, mine, hidden, calls, known=known)
+    if dist.active:  # every rank must run the same groups, whatever its own batches reached
+        plan = _merge_plans(dist, plan)
     stages = moe.plan_stages(block, prefix, plan, set(mine))
     never = [n for n in plan.unused if moe.expert_parts(n) is None]
     for name in never:
@@ -62,12 +67,12 @@ def quantize_block(
         log.warning("%s is never called by its block; left unquantized", name)
     starved = [n for n in plan.unused if n not in never and not any(n in s for st in stages for s in st.subsets)]
 
-    def solve(k: int, subset: list[str], hess: Any, t0: float, method: str | None = None) -> None:
-        # Seam 2, where Hessians are summed: both strategies come here once the group's Hessian
-        # holds every local calibration token. Data-parallel calibration all-reduces its sums
-        # and token counts at this point, before the solve (docs/architecture.md).
-        _solve_subset(linears, subset, k, hess, config, method or opts["method"], report, t0)
-        bar.set_postfix_str(_postfix(report, subset), refresh=False)
+    def solve(k: int, units: list[tuple[list[str], Any, str, float]]) -> None:
+        # Seam 2, where Hessians are summed: the units' Hessians hold every rank's calibration
+        # tokens here (all-reduced by dist.reduce_hessian); their linears are solved, spread
+        # over the ranks when there are several (optq.pipeline.solve.solve_units).
+        solve_units(units, k, linears, config, report, dist,
+                    after=lambda subset: bar.set_postfix_str(_postfix(report, subset), refresh=False))
 
     def new_hessian(subset: list[str]) -> LayerHessians:
         first = linears[subset[0]]
@@ -76,26 +81,32 @@ def quantize_block(
                              dtype=torch.float64 if opts.get("hessian_dtype") == "float64" else torch.float32)
 
     experts = any(st.module is not None for st in stages)
-    if opts["strategy"] == "replay" or plan.repeated or experts:
-        if (plan.repeated or experts) and opts["strategy"] != "replay":
+    if opts["strategy"] == "replay" or plan.repeated or experts or dist.active:
+        if (plan.repeated or experts or dist.active) and opts["strategy"] != "replay":
             # A pause at the first call would solve before the later calls are seen; experts'
-            # calls depend on each batch's routing.
+            # calls depend on each batch's routing; ranks meet at every group.
             log.info("%s: %s; replaying the block per group", prefix,
-                     "experts" if experts else ", ".join(plan.repeated) + " called more than once per forward")
+                     "experts" if experts else "several processes" if dist.active else
+                     ", ".join(plan.repeated) + " called more than once per forward")
         memo = Memo(block, prefix, list(linears), plan.order, mine)
         k = 0
-        extra = plan.forwards - 1
         moe_info: dict[str, Any] = {"stages": 0, "chunks": 0, "forwards": 0, "discovery_forwards": plan.forwards}
         for stage in stages:
             t0 = time.perf_counter()
             if stage.module is None:
                 subset = stage.subsets[0]
                 hess = new_hessian(subset)
-                with _context(prefix, subset), memo.replay_pass() as at_batch:
-                    capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
-                                            before_batch=at_batch)
+                error = None
+                try:
+                    with _context(prefix, subset), memo.replay_pass() as at_batch:
+                        capture.collect_hessian(block, linears, subset, plan.order, hidden, calls, hess,
+                                                before_batch=at_batch)
+                except Exception as exc:  # every rank must reach the check, or the others would hang
+                    error = exc
+                dist.check(error)
+                dist.reduce_hessian(hess)
                 release()
-                solve(k, subset, hess, t0)
+                solve(k, [(subset, hess, opts["method"], t0)])
                 release()  # the solver's workspace, before the next pass allocates
                 memo.solved(subset)
                 k += 1
@@ -109,35 +120,36 @@ def quantize_block(
 
             with _context(prefix, stage.subsets[0]):
                 got = moe.collect_stage(block, linears, stage, new_hessian, _in_features(linears[stage.subsets[0][0]]),
-                                        {**opts, "normalize_tokens": config.normalize_tokens}, run_pass)
+                                        {**opts, "normalize_tokens": config.normalize_tokens}, run_pass, dist)
             release()
             moe_info["stages"] += 1
             moe_info["chunks"] += got.chunks
             moe_info["forwards"] += got.forwards
             share = (time.perf_counter() - t0) / len(stage.subsets)  # each expert's part of the passes
+            units, sources = [], []
             for subset in stage.subsets:
-                t0 = time.perf_counter() - share
                 rep = subset[0]
                 rtn = rep in got.rtn or got.hessians[rep].count == 0
                 hess = got.hessians[rep] if got.hessians[rep].count else moe.NoTokens(
                     _in_features(linears[rep]), linears[rep].weight.device)
-                source = got.sources[rep] if got.hessians[rep].count else "none: no calibration token reached it; rounded to nearest, errors on H = I"
-                solve(k, subset, hess, t0, "rtn" if rtn else None)
-                _mark(report, subset, source, opts["method"] != "rtn" and (rtn or "fallback" in source))
-                k += 1
-            del got
+                sources.append(got.sources[rep] if got.hessians[rep].count else NO_TOKENS)
+                units.append((subset, hess, "rtn" if rtn else opts["method"], time.perf_counter() - share))
+            solve(k, units)
+            for (subset, _, method, _), source in zip(units, sources):
+                _mark(report, subset, source, opts["method"] != "rtn" and (method == "rtn" or "fallback" in source))
+            k += len(units)
+            del got, units
             release()
             memo.solved([n for s in stage.subsets for n in s])
-        for name in starved:  # experts of a model's own ModuleList that no batch ever called
-            solve(k, [name], moe.NoTokens(_in_features(linears[name]), linears[name].weight.device),
-                  time.perf_counter(), "rtn")
-            _mark(report, [name], "none: no calibration token reached it; rounded to nearest, errors on H = I",
-                  opts["method"] != "rtn")
-            k += 1
+        if starved:  # experts of a model's own ModuleList that no batch ever called
+            solve(k, [([n], moe.NoTokens(_in_features(linears[n]), linears[n].weight.device), "rtn",
+                        time.perf_counter()) for n in starved])
+            for name in starved:
+                _mark(report, [name], NO_TOKENS, opts["method"] != "rtn")
         if experts or starved:
             # Beyond the dense schedule (one pass per group, one for the outputs): discovery
             # forwards past the first batch, and one pass per expert stage chunk or fallback.
-            moe_info["extra_forwards"] = extra + moe_info["forwards"] - moe_info["stages"]
+            moe_info["extra_forwards"] = plan.forwards - 1 + moe_info["forwards"] - moe_info["stages"]
             report.moe[prefix] = moe_info
         if original is not None:
             for b, out in enumerate(original):
@@ -153,7 +165,7 @@ def quantize_block(
             hess = new_hessian(subset)
             with _context(prefix, subset):
                 paused.advance(k, hess)
-            solve(k, subset, hess, t0)
+            solve(k, [(subset, hess, opts["method"], t0)])
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
         # computed from partly quantized layers, are not what propagates.
         outputs = original if original is not None else paused.finish()
@@ -195,6 +207,24 @@ def _keep(hidden: list[torch.Tensor], b: int, out: torch.Tensor) -> None:
         hidden[b] = out.detach().clone()
 
 
+def _merge_plans(dist: Dist, plan: capture.Plan) -> capture.Plan:
+    """One plan for every rank: the groups any rank's batches found, in rank order."""
+    parts = dist.gather({str(dist.rank): (plan.subsets, plan.order, plan.unused, plan.repeated, plan.forwards)})
+    ranks = [parts[str(r)] for r in range(dist.world_size)]
+    subsets: list[list[str]] = []
+    order: list[str] = []
+    seen: set[str] = set()
+    for sub, ordr, _, _, _ in ranks:
+        for group in sub:
+            if not seen.intersection(group):
+                subsets.append(list(group))
+                seen.update(group)
+        order += [n for n in ordr if n not in order]
+    unused = [n for n in plan.unused if all(n in r[2] for r in ranks)]
+    repeated = [n for n in dict.fromkeys(n for r in ranks for n in r[3])]
+    return capture.Plan(subsets, order, unused, repeated, max(r[4] for r in ranks))
+
+
 def _experts_of(block: nn.Module, prefix: str, name: str) -> nn.Module | None:
     parts = moe.expert_parts(name)
     if parts is None:
@@ -222,110 +252,3 @@ def _postfix(report: Report, subset: Sequence[str]) -> str:
     last = report.layers[subset[-1]]
     short = ".".join(subset[-1].split(".")[-2:])
     return f"{short} obj/rtn={last.objective / last.rtn_objective:.3f}" if last.rtn_objective else short
-
-
-def _solve_subset(
-    linears: dict[str, nn.Module],
-    subset: list[str],
-    index: int,
-    hess: LayerHessians,
-    config: QuantConfig,
-    method: str,
-    report: Report,
-    t0: float,
-) -> None:
-    mods = [linears[n] for n in subset]
-    weights = [get_weight(m) for m in mods]
-    if hess.count == 0 and method != "rtn":
-        raise RuntimeError(f"no calibration tokens reached {subset[0]}")
-    H = hess.matrix()
-    # Rows of layers sharing an input share H, and GPTQ treats rows independently: one stacked
-    # solve equals separate solves, with one factorisation instead of several.
-    W = torch.cat(weights, dim=0)  # a copy: the modules are overwritten below
-    try:
-        sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
-    except solver.FactorizationError as exc:
-        names = ", ".join(subset)
-        raise solver.FactorizationError(
-            f"Hessian of {names} could not be factorised even with damping up to "
-            f"{config.damp_max} ({exc}); raise damp/damp_max (--damp) or give more or more "
-            "varied calibration tokens"
-        ) from exc
-    if sol.damp is not None and sol.damp > config.damp:
-        log.warning("%s needed damping %.3g (asked %.3g)", ", ".join(subset), sol.damp, config.damp)
-        for name in subset:
-            report.fallbacks[name] = f"damping raised from {config.damp:g} to {sol.damp:g} to factorise H"
-    seconds = time.perf_counter() - t0
-    # Round-to-nearest is row-wise too: one call on the stacked rows serves every member.
-    rtn_W = solver.rtn(W, config).weight if method == "gptq" else sol.weight
-    objs = _row_objectives(W, sol.weight, H)
-    rtn_objs = objs if method == "rtn" else _row_objectives(W, rtn_W, H)
-    energy = _row_objectives(W, None, H)
-    H_plain = hess.plain_matrix()
-    if H_plain is None:  # tokens not normalised: the objective is the output error
-        outs, rtn_outs = objs, rtn_objs
-    else:
-        outs = _row_objectives(W, sol.weight, H_plain)
-        rtn_outs = outs if method == "rtn" else _row_objectives(W, rtn_W, H_plain)
-        del H_plain
-    calibration = hess.token_stats()
-    row = 0
-    for name, mod, w in zip(subset, mods, weights):
-        n = w.shape[0]
-        part = _rows(sol, row, row + n)
-        obj, rtn_obj, e, out, rtn_out = (
-            float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs))
-        row += n
-        if method == "gptq":
-            part.loss = obj
-        report.layers[name] = LayerReport(
-            name=name,
-            shape=(int(w.shape[0]), int(w.shape[1])),
-            tokens=hess.count,
-            damp=sol.damp,
-            objective=obj,
-            rtn_objective=rtn_obj,
-            relative_error=obj / e if e > 0 else 0.0,
-            output_error=out,
-            rtn_output_error=rtn_out,
-            output_tokens=hess.plain_count,
-            calibration=calibration,
-            seconds=seconds * n / W.shape[0],
-            subset=index,
-        )
-        set_weight(mod, part.weight)
-        report.solutions[name] = part
-        log.debug("%s: objective %.4g, rtn %.4g", name, obj, rtn_obj)
-    # Under a caller's autocast, weights cast earlier (e.g. by the discovery forward) stay cached
-    # until the autocast region ends: drop them, or later forwards would use the old weights.
-    torch.clear_autocast_cache()
-
-
-def _row_objectives(W: torch.Tensor, W_hat: torch.Tensor | None, H: torch.Tensor) -> torch.Tensor:
-    """Per-row terms of ``optq.objective(W, W_hat, H)``: ½ δ_r H δ_rᵀ (δ = W - W_hat), float64."""
-    out = torch.empty(W.shape[0], dtype=torch.float64, device=W.device)
-    step = max(1, (1 << 20) // max(1, W.shape[1]))  # rows per chunk: temporaries of ~8 MB, not of W's size
-    for lo in range(0, W.shape[0], step):
-        hi = lo + step
-        delta = W[lo:hi].to(H.dtype)
-        if W_hat is not None:
-            delta = delta - W_hat[lo:hi].to(H.dtype)
-        out[lo:hi] = ((delta @ H) * delta).sum(dim=1, dtype=torch.float64)
-    return out.mul_(0.5)
-
-
-def _rows(sol: solver.Solution, lo: int, hi: int) -> solver.Solution:
-    # Per-row fields are sliced; g_idx and perm belong to the shared columns.
-    if lo == 0 and hi == sol.weight.shape[0]:
-        return sol
-    return solver.Solution(
-        weight=sol.weight[lo:hi],  # replaced by a view of the module weight after the block
-        codes=sol.codes[lo:hi].clone(),
-        scales=sol.scales[lo:hi].clone(),
-        zeros=sol.zeros[lo:hi].clone(),
-        g_idx=sol.g_idx,
-        perm=sol.perm,
-        loss=sol.loss,
-        damp=sol.damp,
-        config=sol.config,
-    )

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optq.formats.files import atomic_write, move_into_place
+from optq.pipeline.dist import Dist
 
 __all__ = ["Journal", "JournalError", "partial_path", "tensor_digest"]
 
@@ -86,19 +87,37 @@ class Journal:
     JSON-able value or digest; resuming a journal whose manifest differs names the parts.
     """
 
-    def __init__(self, out: str | Path, manifest: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
+    def __init__(self, out: str | Path, manifest: dict[str, Any], *, resume: bool, overwrite: bool,
+                 dist: Dist | None = None) -> None:
         self.out = Path(out)
         self.folder = partial_path(self.out)
         self.manifest = json.loads(_json(manifest))  # what it reads back as, for comparisons
         self.overwrite = overwrite
         self.state: dict[str, Any] = {"done": 0, "activations": None, "report": None}
-        if self.out.exists() and not overwrite:
+        # Under torch.distributed rank 0 owns the journal (blocks, state, the output); every rank
+        # keeps its own share of the activations in a file of its own.
+        self.dist = dist or Dist()
+        if self.dist.active:
+            error = None
+            if self.dist.rank == 0:
+                try:
+                    self._open(resume)
+                except Exception as exc:
+                    error = exc
+            self.dist.check(error)
+            if self.dist.rank != 0 and self.folder.exists() and (self.folder / STATE).exists():
+                self._open_existing()
+            return
+        self._open(resume)
+
+    def _open(self, resume: bool) -> None:
+        if self.out.exists() and not self.overwrite:
             raise JournalError(f"{self.out} already exists; pass --overwrite (overwrite=True) or choose another folder")
         if self.folder.exists():
             if resume:
                 self._open_existing()
                 return
-            if not overwrite:
+            if not self.overwrite:
                 raise JournalError(
                     f"{self.folder} holds an unfinished run; pass --resume to continue it or "
                     "--overwrite to start again"
@@ -153,24 +172,37 @@ class Journal:
 
     def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         """The packed tensors of block ``i`` (not yet counted as done: see ``commit``)."""
-        self._save(self.block_file(i), tensors)
+        if self.dist.rank == 0:
+            self._save(self.block_file(i), tensors)
+
+    def _activations_name(self, done: int) -> str:
+        return f"activations-{done:05d}" + (f".rank{self.dist.rank}" if self.dist.active else "") + ".safetensors"
 
     def commit(self, done: int, hidden: Sequence[torch.Tensor] | None, report: dict[str, Any]) -> None:
         """Record ``done`` blocks finished, with the activations entering the next block."""
         acts = None
-        if hidden is not None:
-            acts = f"activations-{done:05d}.safetensors"
-            self._save(self.folder / acts, {f"{b:06d}": h for b, h in enumerate(hidden)})
+        error = None
+        try:
+            if hidden is not None:
+                acts = self._activations_name(done)
+                self._save(self.folder / acts, {f"{b:06d}": h for b, h in enumerate(hidden)})
+        except Exception as exc:
+            error = exc
+        self.dist.check(error)  # every rank's activations are on disk before the state says so
         old = self.state.get("activations")
         self.state = {"done": done, "activations": acts, "report": report}
-        with _writing(self.folder / STATE):
-            atomic_write(self.folder / STATE, _json(self.state))
+        if self.dist.rank == 0:
+            with _writing(self.folder / STATE):
+                atomic_write(self.folder / STATE, _json(self.state))
+        self.dist.barrier()
         if old and old != acts:
             (self.folder / old).unlink(missing_ok=True)
 
     def activations(self) -> list[torch.Tensor]:
         """The hidden states saved with the last commit (one tensor per batch)."""
         name = self.state.get("activations")
+        if name and self.dist.active:  # the state names rank 0's file; each rank reads its own
+            name = self._activations_name(int(self.state["done"]))
         if not name:
             raise JournalError(f"{self.folder} holds no activations to resume from; use --overwrite")
         loaded = load_file(str(self.folder / name))
@@ -189,7 +221,7 @@ class Journal:
         dtype = hidden[0].dtype
         if any(h.dtype != dtype or h.device.type != "cpu" for h in hidden):
             raise JournalError("offloaded activations must be CPU tensors of one dtype")
-        path = self.folder / OFFLOAD
+        path = self.folder / (f"{OFFLOAD}.rank{self.dist.rank}" if self.dist.active else OFFLOAD)
         path.unlink(missing_ok=True)
         with self.writing(path):
             flat = torch.from_file(str(path), shared=True, size=total, dtype=dtype)

@@ -47,6 +47,7 @@ from optq.pipeline import capture
 from optq.pipeline.block import quantize_block
 from optq.pipeline.calibration import calibration_samples, make_batches, max_positions
 from optq.pipeline.discovery import drop_routers, find_blocks, select_names
+from optq.pipeline.dist import Dist, current
 from optq.pipeline.moe import MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
 from optq.pipeline.report import Report
 
@@ -153,8 +154,8 @@ def quantize(
     try:
         with torch.no_grad():
             hidden, calls = capture.capture_inputs(model, blocks, batches, device)
-            _loop(blocks_name, blocks, hidden, calls, targets, config, {**options, "device": device},
-                  progress, report)
+            opts = {**options, "device": device, "dist": current()}
+            _loop(blocks_name, blocks, hidden, calls, targets, config, opts, progress and opts["dist"].rank == 0, report)
     except ValueError as exc:
         # Found inside the loop (non-finite activations, a Hessian that cannot be factorised):
         # say what state the model is left in, since it is quantized in place.
@@ -181,6 +182,7 @@ class Run:
     device: torch.device
     options: dict[str, Any]
     skipped: dict[str, str]
+    calibration_digest: str = ""  # of every rank's samples: the same on all ranks
 
 
 def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagate: str, tokenizer: Any,
@@ -249,7 +251,17 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
         vocab_size=getattr(emb, "num_embeddings", None),
         max_positions=max_positions(model),
     )
-    batches = make_batches(samples, batch_size)
+    dist = current()
+    shares = [list(Dist(dist.world_size, r).share(len(samples))) for r in range(dist.world_size)]
+    if dist.active:
+        # Data-parallel calibration: each rank captures and forwards its contiguous share.
+        if len(samples) < dist.world_size:
+            raise ValueError(f"{len(samples)} calibration samples cannot be shared by {dist.world_size} "
+                             "processes; give at least one per process")
+        lo, hi = shares[dist.rank]
+        batches = make_batches(samples[lo:hi], batch_size)
+    else:
+        batches = make_batches(samples, batch_size)
     home = next(blocks[0].parameters()).device
     try:
         device = torch.device(device) if device is not None else (home if home.type != "meta" else torch.device("cpu"))
@@ -278,8 +290,16 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
         "max_hessian_memory": max_hessian_memory or default_hessian_budget(),
         "moe_weighting": moe_weighting,
         "hessian_dtype": hessian_dtype,
+        "world_size": dist.world_size,
+        "calibration_shares": shares,
     }
-    return Run(blocks_name, blocks, all_linears, targets, batches, device, options, skipped)
+    dist.same_everywhere("the arguments (calibration, settings, targets)",
+                         [{k: v for k, v in options.items() if k != "device"}, sorted(targets), config.to_dict(),
+                          [s.tolist() for s in samples]])
+    from optq.pipeline.journal import tensor_digest
+
+    return Run(blocks_name, blocks, all_linears, targets, batches, device, options, skipped,
+               tensor_digest(list(samples)))
 
 
 def _loop(

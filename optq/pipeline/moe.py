@@ -37,6 +37,7 @@ from torch import nn
 
 from optq.formats.experts import ExpertLinears
 from optq.pipeline import capture
+from optq.pipeline.dist import Dist
 from optq.pipeline.hessians import LayerHessians
 
 __all__ = ["Stage", "plan_stages", "collect_stage", "MOE_CALIBRATION",
@@ -165,6 +166,7 @@ class Collected:
     chunks: int
     rtn: set[str] = field(default_factory=set)
     weighting: str = "none"
+    dist: Dist = field(default_factory=Dist)
 
 
 def collect_stage(
@@ -175,6 +177,7 @@ def collect_stage(
     in_features: int,
     opts: dict,
     run_pass: Callable[[Callable[[int], None]], None],
+    dist: Dist | None = None,
 ) -> Collected:
     """Fill the Hessians of an expert stage's subsets (see the module docstring).
 
@@ -189,7 +192,7 @@ def collect_stage(
     ours = isinstance(stage.module, ExpertLinears)
     per = hessian_bytes(in_features, normalize, 8 if opts.get("hessian_dtype") == "float64" else 4)
     size = max(1, budget // per)
-    out = Collected({}, {}, 0, 0, weighting=opts.get("moe_weighting", "none"))
+    out = Collected({}, {}, 0, 0, weighting=opts.get("moe_weighting", "none"), dist=dist or Dist())
     shared = ours and mode == "all" and stage.first
     if shared:
         # Every expert's gate/up input is the MoE input itself: one H serves them all.
@@ -258,16 +261,22 @@ def _pass(block: nn.Module, linears: dict[str, nn.Module], stage: Stage, chunk: 
 
     for rep, hess in hooked.items():
         handles.append(linears[rep].register_forward_pre_hook(hook(hess)))
+    error = None
     try:
         if isinstance(module, ExpertLinears):
             module.calibrate_all = everyone
         run_pass(lambda b: None)
         out.forwards += 1
+    except Exception as exc:  # every rank must reach the check, or the others would hang
+        error = exc
     finally:
         if isinstance(module, ExpertLinears):
             module.calibrate_all = frozenset()
         for h in handles:
             h.remove()
+    out.dist.check(error)
+    for hess in hooked.values():  # seam 2: every rank's tokens, before the starved test and solves
+        out.dist.reduce_hessian(hess)
 
 
 class NoTokens:

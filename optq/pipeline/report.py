@@ -99,7 +99,8 @@ class Report:
     the run deviated from the config (e.g. damping escalated to factorise H, a starved expert's
     Hessian taken from all tokens or rounded to nearest). Nothing ever falls back to
     round-to-nearest silently. ``moe`` holds, per mixture-of-experts block, its expert stages, the
-    Hessian chunks and the forwards they cost beyond the dense schedule.
+    Hessian chunks and the forwards they cost beyond the dense schedule. ``solved_by`` names, in a
+    run over several processes (torch.distributed), the rank that solved each layer.
     """
 
     layers: dict[str, LayerReport]
@@ -112,6 +113,7 @@ class Report:
     fallbacks: dict[str, str] = field(default_factory=dict)
     solutions: dict[str, Solution] = field(default_factory=dict, repr=False)
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)
+    solved_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, Any]:
@@ -176,8 +178,20 @@ class Report:
                 "skipped": self.skipped,
                 "fallbacks": self.fallbacks,
                 "moe": self.moe,
+                "distributed": self.distributed(),
             }
         )
+
+    def distributed(self) -> dict[str, Any] | None:
+        """World size, and per rank its calibration share and the layers it solved (None for one
+        process)."""
+        world = int(self.options.get("world_size", 1))
+        if world <= 1:
+            return None
+        shares = self.options.get("calibration_shares") or [None] * world
+        return {"world_size": world,
+                "ranks": [{"rank": r, "calibration_samples": shares[r],
+                           "layers_solved": [n for n, o in self.solved_by.items() if o == r]} for r in range(world)]}
 
     def save_json(self, path: str | os.PathLike) -> Path:
         """Write ``to_dict()`` as indented JSON to ``path``; returns the path."""

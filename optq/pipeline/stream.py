@@ -41,7 +41,8 @@ from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear
 from optq.pipeline import capture
 from optq.pipeline.block import quantize_block
-from optq.pipeline.journal import Journal, tensor_digest
+from optq.pipeline.dist import current
+from optq.pipeline.journal import Journal
 from optq.pipeline.loop import _versions, check_finite_weights, prepare
 from optq.pipeline.report import LayerReport, Report
 from optq.pipeline.source import SafetensorsSource, SourceError
@@ -128,12 +129,13 @@ def quantize_pretrained(
                "streaming": True, **(provenance or {})}
     manifest = {
         "source": _source_digest(src),
-        "calibration": tensor_digest(run.batches),
+        "calibration": run.calibration_digest,
         "config": config.to_dict(),
         "options": {k: v for k, v in options.items() if k not in ("num_threads", "device")},
         "versions": _versions(),
     }
-    journal = Journal(out, manifest, resume=resume, overwrite=overwrite)
+    dist = current()
+    journal = Journal(out, manifest, resume=resume, overwrite=overwrite, dist=dist)
     report = Report(layers={}, config=config.to_dict(), options=options, versions=_versions(),
                     seconds=0.0, block_seconds=[], skipped=dict(run.skipped))
     _restore(report, journal.state.get("report"))
@@ -156,7 +158,7 @@ def quantize_pretrained(
                 hidden = [h.to(device) for h in journal.activations()]
             if offload_activations:
                 hidden = journal.offload(hidden)
-            _blocks(src, journal, run, config, hidden, calls, report, dtype, format, progress)
+            _blocks(src, journal, run, config, hidden, calls, report, dtype, format, progress and dist.rank == 0)
             del hidden, calls
             src.release(model)
     natural = journal.state["report"].get("natural", True)
@@ -167,9 +169,11 @@ def quantize_pretrained(
         ignore = compressed_tensors.ignored(model, run.targets, layer_namer(src.names))
         qconfig = compressed_tensors.describe(qconfig, ignore)
     report.seconds = time.perf_counter() - start
-    with journal.writing(journal.folder):
-        _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
-        journal.finish()
+    if dist.rank == 0:  # one writer: the other ranks' results are in rank 0's journal
+        with journal.writing(journal.folder):
+            _assemble(src, journal, qconfig, report, len(blocks), max_shard_size)
+            journal.finish()
+    dist.barrier()
     log.info("wrote %s in %.1f s", journal.out, report.seconds)
     return report
 
@@ -179,7 +183,7 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
     from tqdm.auto import tqdm
 
     blocks, prefix = run.blocks, run.blocks_name
-    opts = {**run.options, "device": run.device}
+    opts = {**run.options, "device": run.device, "dist": current()}
     natural = (journal.state.get("report") or {}).get("natural", True)
     module_name = layer_namer(src.names)  # packed tensors go under the checkpoint's names
     bar = tqdm(total=len(blocks), initial=journal.done, desc="optq", unit="block", disable=not progress)
@@ -196,7 +200,7 @@ def _blocks(src: SafetensorsSource, journal: Journal, run: Any, config: QuantCon
             packed: dict[str, torch.Tensor] = {}
             for lname, module in linears.items():
                 sol = report.solutions.pop(lname, None)
-                if sol is None:
+                if sol is None or opts["dist"].rank != 0:  # rank 0 alone writes the journal
                     continue
                 layer = QuantLinear.from_solution(sol, module.bias, "gptq_v2" if fmt == "compressed-tensors" else fmt)
                 natural = natural and is_natural(layer)

@@ -1,0 +1,198 @@
+"""Many processes, one result: data-parallel calibration and parallel solves on torch.distributed.
+
+Launched by ``torchrun --nproc-per-node N -m optq quantize ...`` (or any run where a process
+group is initialised before ``optq.quantize`` / ``quantize_pretrained``), every rank runs the
+same block loop on its own share of the calibration samples:
+
+- Each rank captures and forwards only its contiguous share of the samples, so activation
+  memory divides by N.
+- Where a group's Hessian is complete (seam 2 of the block loop), the sums and token counts are
+  ``all_reduce``d, so every rank holds the Hessian of all N shares. It equals the
+  single-process Hessian up to float summation order; with ``hessian_dtype="float64"`` the
+  order no longer shows in the float32 solve.
+- The linears of a group, and the experts of an expert stage, are assigned to ranks by
+  estimated cost, largest first, to the least loaded rank. Each rank solves its share; the
+  solutions and report rows are then gathered by every rank, which writes them into its copy of
+  the block, so every rank continues with the same quantized block.
+- A rank that raises tells the others at the next collective, and every rank stops, naming it.
+  A rank that dies is noticed by the launcher (torchrun stops the others), or by the process
+  group's timeout (``OPTQ_DIST_TIMEOUT`` seconds, default 600).
+
+One process without a process group is exactly the single-process run: every function here is
+then a no-op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Dist", "current", "init_from_env", "DistributedError"]
+
+log = logging.getLogger("optq.pipeline")
+
+
+class DistributedError(RuntimeError):
+    """Another rank failed, or the ranks disagree."""
+
+
+class Dist:
+    """The process group a run belongs to (``world_size`` 1: no group, every method a no-op)."""
+
+    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+        self.world_size = world_size
+        self.rank = rank
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    # ----------------------------------------------------------------------- calibration
+    def share(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous share ``[lo, hi)`` of ``n`` samples (sizes differ by at most one)."""
+        base, extra = divmod(n, self.world_size)
+        lo = self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (1 if self.rank < extra else 0)
+
+    def reduce_hessian(self, hess: Any) -> None:
+        """Sum a ``LayerHessians`` over the ranks, in place (sums, token counts, token stats)."""
+        if not self.active or getattr(hess, "_reduced", False):
+            return
+        import torch.distributed as dist
+
+        parts = [hess.main] + ([hess.plain] if hess.plain is not None else [])
+        for h in parts:
+            dist.all_reduce(h.sum)
+        counts = torch.tensor([h.count for h in parts], dtype=torch.int64, device=_device(hess.main.sum))
+        dist.all_reduce(counts)
+        for h, c in zip(parts, counts.tolist()):
+            h.count = int(c)
+        # The token statistics keep one value per token: every rank gets all of them, in rank order.
+        energy = torch.cat(hess._energy) if hess._energy else torch.zeros(0)
+        positions = torch.cat(hess._position) if hess._position else None
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, (energy, positions))
+        hess._energy = [e for e, _ in gathered]  # type: ignore[misc]
+        hess._position = [p for _, p in gathered] if all(p is not None for _, p in gathered) else []  # type: ignore[misc]
+        hess._reduced = True
+
+    # ----------------------------------------------------------------------- solves
+    def assign(self, costs: Sequence[float]) -> list[int]:
+        """The rank of each work item: largest first, each to the least loaded rank (ties: lowest)."""
+        load = [0.0] * self.world_size
+        owner = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            r = min(range(self.world_size), key=lambda r: (load[r], r))
+            owner[i] = r
+            load[r] += costs[i]
+        return owner
+
+    def gather(self, mine: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's ``mine`` merged (keys are disjoint); ``mine`` itself without a group."""
+        if not self.active:
+            return mine
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        out: dict[str, Any] = {}
+        for part in gathered:
+            out.update(part)
+        return out
+
+    # ----------------------------------------------------------------------- failures
+    def check(self, error: BaseException | None = None) -> None:
+        """A collective every rank reaches: raise on every rank if any rank brings an error."""
+        if not self.active:
+            if error is not None:
+                raise error
+            return
+        import torch.distributed as dist
+
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, msg)
+        failed = [(r, m) for r, m in enumerate(gathered) if m is not None]
+        if failed:
+            if error is not None:
+                raise error
+            r, m = failed[0]
+            raise DistributedError(f"rank {r} of {self.world_size} failed: {m}; every rank stops")
+
+    def same_everywhere(self, what: str, value: Any) -> None:
+        """Refuse to run when ``value`` (arguments, settings) differs between ranks."""
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, digest)
+        differ = [r for r, d in enumerate(gathered) if d != gathered[0]]
+        if differ:
+            raise DistributedError(f"{what} differ between ranks (rank 0 and rank(s) {differ}); start every "
+                                   "rank with the same arguments")
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    return t.device
+
+
+def current() -> Dist:
+    """The run's process group: the initialised default group, else one process."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # a torch built without distributed
+        return Dist()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return Dist(dist.get_world_size(), dist.get_rank())
+    return Dist()
+
+
+def init_from_env(device: str | None = None) -> tuple[Dist, str | None]:
+    """Initialise the default process group when launched by torchrun (``WORLD_SIZE`` > 1).
+
+    The backend is NCCL for a CUDA device, with one GPU per rank from ``LOCAL_RANK`` (the
+    returned device is ``cuda:LOCAL_RANK``), else gloo. Returns (the group, the device to use).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), device
+    import torch.distributed as dist
+
+    cuda = device is not None and str(device).startswith("cuda")
+    if cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=float(os.environ.get("OPTQ_DIST_TIMEOUT", "600")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        atexit.register(_close)
+    return current(), device
+
+
+def _close() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def owned(dist_: Dist, items: Sequence[str], cost: Callable[[str], float]) -> set[str]:
+    """The items this rank solves (see :meth:`Dist.assign`)."""
+    owners = dist_.assign([cost(i) for i in items])
+    return {i for i, r in zip(items, owners) if r == dist_.rank}

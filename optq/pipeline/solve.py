@@ -1,0 +1,194 @@
+"""Solving one group of linears that share a Hessian, and spreading groups over ranks.
+
+``solve_subset`` stacks the group's rows (GPTQ treats rows independently and they share H: one
+stacked solve equals separate solves, with one factorisation), writes the quantized weights back
+and fills the report. ``solve_units`` does that for a stage's groups; under torch.distributed
+each rank solves the linears :mod:`optq.pipeline.dist` assigns it, and every rank then takes
+the others' solutions, so all ranks continue with the same block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.core import solver
+from optq.core.config import QuantConfig
+from optq.formats.linears import get_weight, set_weight
+from optq.pipeline.dist import Dist
+from optq.pipeline.report import LayerReport, Report
+
+__all__ = ["solve_subset", "solve_units"]
+
+log = logging.getLogger("optq.pipeline")
+
+
+def solve_units(units: Sequence[tuple[list[str], Any, str, float]], first: int, linears: dict[str, nn.Module],
+                config: QuantConfig, report: Report, dist: Dist,
+                after: Callable[[list[str]], None] | None = None) -> None:
+    """Solve each unit ``(subset, hessian, method, t0)``; unit ``u`` is the block's group
+    number ``first + u``. ``after(subset)`` runs on every rank once a subset's weights are in.
+
+    With one process every unit is solved here, in order. Under torch.distributed each linear
+    (its rows) is a work item, costed K³ / (members of its group) + rows x K², assigned by
+    :meth:`Dist.assign`; a rank solves the members of each group it owns (on the group's H,
+    which is the same on every rank after the all-reduce), then the solutions and report rows
+    are gathered and applied everywhere, in the single-process order.
+    """
+    if not dist.active:
+        for u, (subset, hess, method, t0) in enumerate(units):
+            solve_subset(linears, subset, first + u, hess, config, method, report, t0)
+            if after is not None:
+                after(subset)
+        return
+    items = [(u, name) for u, (subset, *_rest) in enumerate(units) for name in subset]
+
+    def cost(u: int, name: str) -> float:
+        N, K = get_weight(linears[name]).shape
+        return float(K) ** 3 / len(units[u][0]) + float(N) * K * K
+
+    owner = {n: r for (_, n), r in zip(items, dist.assign([cost(u, n) for u, n in items]))}
+    mine = {n for n, r in owner.items() if r == dist.rank}
+    error = None
+    try:
+        for u, (subset, hess, method, t0) in enumerate(units):
+            part = [n for n in subset if n in mine]
+            if part:
+                solve_subset(linears, part, first + u, hess, config, method, report, t0)
+    except Exception as exc:  # every rank must reach the check below, or the others would hang
+        error = exc
+    dist.check(error)
+    payload = {n: (report.layers.pop(n), _own(report.solutions.pop(n)), report.fallbacks.pop(n, None))
+               for n in mine}
+    gathered = dist.gather(payload)
+    for subset, *_rest in units:
+        for name in subset:
+            row, sol, fallback = gathered[name]
+            if name not in mine:
+                set_weight(linears[name], sol.weight.to(get_weight(linears[name]).device))
+            report.layers[name] = row
+            report.solutions[name] = sol
+            if fallback is not None:
+                report.fallbacks[name] = fallback
+            report.solved_by[name] = owner[name]
+        if after is not None:
+            after(subset)
+    torch.clear_autocast_cache()
+
+
+def _own(sol: solver.Solution) -> solver.Solution:
+    # A member's weight is a view of the group's stacked solution: sent alone, not the whole.
+    return solver.Solution(weight=sol.weight.detach().clone(), codes=sol.codes, scales=sol.scales, zeros=sol.zeros,
+                           g_idx=sol.g_idx, perm=sol.perm, loss=sol.loss, damp=sol.damp, config=sol.config)
+
+
+def solve_subset(
+    linears: dict[str, nn.Module],
+    subset: list[str],
+    index: int,
+    hess: LayerHessians,
+    config: QuantConfig,
+    method: str,
+    report: Report,
+    t0: float,
+) -> None:
+    mods = [linears[n] for n in subset]
+    weights = [get_weight(m) for m in mods]
+    if hess.count == 0 and method != "rtn":
+        raise RuntimeError(f"no calibration tokens reached {subset[0]}")
+    H = hess.matrix()
+    # Rows of layers sharing an input share H, and GPTQ treats rows independently: one stacked
+    # solve equals separate solves, with one factorisation instead of several.
+    W = torch.cat(weights, dim=0)  # a copy: the modules are overwritten below
+    try:
+        sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
+    except solver.FactorizationError as exc:
+        names = ", ".join(subset)
+        raise solver.FactorizationError(
+            f"Hessian of {names} could not be factorised even with damping up to "
+            f"{config.damp_max} ({exc}); raise damp/damp_max (--damp) or give more or more "
+            "varied calibration tokens"
+        ) from exc
+    if sol.damp is not None and sol.damp > config.damp:
+        log.warning("%s needed damping %.3g (asked %.3g)", ", ".join(subset), sol.damp, config.damp)
+        for name in subset:
+            report.fallbacks[name] = f"damping raised from {config.damp:g} to {sol.damp:g} to factorise H"
+    seconds = time.perf_counter() - t0
+    # Round-to-nearest is row-wise too: one call on the stacked rows serves every member.
+    rtn_W = solver.rtn(W, config).weight if method == "gptq" else sol.weight
+    objs = _row_objectives(W, sol.weight, H)
+    rtn_objs = objs if method == "rtn" else _row_objectives(W, rtn_W, H)
+    energy = _row_objectives(W, None, H)
+    H_plain = hess.plain_matrix()
+    if H_plain is None:  # tokens not normalised: the objective is the output error
+        outs, rtn_outs = objs, rtn_objs
+    else:
+        outs = _row_objectives(W, sol.weight, H_plain)
+        rtn_outs = outs if method == "rtn" else _row_objectives(W, rtn_W, H_plain)
+        del H_plain
+    calibration = hess.token_stats()
+    row = 0
+    for name, mod, w in zip(subset, mods, weights):
+        n = w.shape[0]
+        part = _rows(sol, row, row + n)
+        obj, rtn_obj, e, out, rtn_out = (
+            float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs))
+        row += n
+        if method == "gptq":
+            part.loss = obj
+        report.layers[name] = LayerReport(
+            name=name,
+            shape=(int(w.shape[0]), int(w.shape[1])),
+            tokens=hess.count,
+            damp=sol.damp,
+            objective=obj,
+            rtn_objective=rtn_obj,
+            relative_error=obj / e if e > 0 else 0.0,
+            output_error=out,
+            rtn_output_error=rtn_out,
+            output_tokens=hess.plain_count,
+            calibration=calibration,
+            seconds=seconds * n / W.shape[0],
+            subset=index,
+        )
+        set_weight(mod, part.weight)
+        report.solutions[name] = part
+        log.debug("%s: objective %.4g, rtn %.4g", name, obj, rtn_obj)
+    # Under a caller's autocast, weights cast earlier (e.g. by the discovery forward) stay cached
+    # until the autocast region ends: drop them, or later forwards would use the old weights.
+    torch.clear_autocast_cache()
+
+
+def _row_objectives(W: torch.Tensor, W_hat: torch.Tensor | None, H: torch.Tensor) -> torch.Tensor:
+    """Per-row terms of ``optq.objective(W, W_hat, H)``: ½ δ_r H δ_rᵀ (δ = W - W_hat), float64."""
+    out = torch.empty(W.shape[0], dtype=torch.float64, device=W.device)
+    step = max(1, (1 << 20) // max(1, W.shape[1]))  # rows per chunk: temporaries of ~8 MB, not of W's size
+    for lo in range(0, W.shape[0], step):
+        hi = lo + step
+        delta = W[lo:hi].to(H.dtype)
+        if W_hat is not None:
+            delta = delta - W_hat[lo:hi].to(H.dtype)
+        out[lo:hi] = ((delta @ H) * delta).sum(dim=1, dtype=torch.float64)
+    return out.mul_(0.5)
+
+
+def _rows(sol: solver.Solution, lo: int, hi: int) -> solver.Solution:
+    # Per-row fields are sliced; g_idx and perm belong to the shared columns.
+    if lo == 0 and hi == sol.weight.shape[0]:
+        return sol
+    return solver.Solution(
+        weight=sol.weight[lo:hi],  # replaced by a view of the module weight after the block
+        codes=sol.codes[lo:hi].clone(),
+        scales=sol.scales[lo:hi].clone(),
+        zeros=sol.zeros[lo:hi].clone(),
+        g_idx=sol.g_idx,
+        perm=sol.perm,
+        loss=sol.loss,
+        damp=sol.damp,
+        config=sol.config,
+    )

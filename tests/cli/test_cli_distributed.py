@@ -1,0 +1,48 @@
+"""``torchrun --nproc-per-node 2 -m optq quantize``: the same command line as one process, run
+by two (gloo on CPU), writes what one process writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_torchrun_launches_the_cli_and_writes_what_one_process_writes(model_dir, tmp_path):
+    """``torchrun --nproc-per-node 2 -m optq quantize``: the same arguments as one process, one
+    output written by rank 0, the same tensors (float64 Hessians), the world recorded."""
+    import subprocess
+    import sys
+
+    args = ["quantize", str(model_dir / "model"), "--calib", str(model_dir / "calib.txt"), "--nsamples", "4",
+            "--seqlen", "16", "--bits", "3", "--group-size", "16", "--no-progress", "--hessian-dtype", "float64",
+            "--batch-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPTQ_DIST_TIMEOUT": "120"}
+    one = subprocess.run([sys.executable, "-m", "optq", *args, "-o", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", "29581", "-m", "optq", *args,
+                          "-o", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("wrote ") == 1  # rank 0 speaks for the run
+    a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    report = json.loads((tmp_path / "two" / "quantization_report.json").read_text())
+    assert report["distributed"]["world_size"] == 2
+    assert json.loads((tmp_path / "one" / "quantization_report.json").read_text())["distributed"] is None
+    assert not list(tmp_path.glob("*.partial"))
