@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,18 @@ class Dist:
     def __init__(self, world_size: int = 1, rank: int = 0) -> None:
         self.world_size = world_size
         self.rank = rank
+        # Seconds spent in each kind of work this process (benchmarks/distributed.py prints them).
+        self.seconds: dict[str, float] = {"all_reduce": 0.0, "gather": 0.0, "check": 0.0, "solve": 0.0}
+
+    def _timed(self, kind: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
+            raise DistributedError(f"rank {self.rank}: a collective with the other ranks failed ({exc}); another "
+                                   "rank died or timed out (OPTQ_DIST_TIMEOUT)") from exc
+        finally:
+            self.seconds[kind] += time.perf_counter() - t0
 
     @property
     def active(self) -> bool:
@@ -69,17 +82,21 @@ class Dist:
         import torch.distributed as dist
 
         parts = [hess.main] + ([hess.plain] if hess.plain is not None else [])
-        for h in parts:
-            dist.all_reduce(h.sum)
         counts = torch.tensor([h.count for h in parts], dtype=torch.int64, device=_device(hess.main.sum))
-        dist.all_reduce(counts)
+
+        def reduce() -> None:
+            for h in parts:
+                dist.all_reduce(h.sum)
+            dist.all_reduce(counts)
+
+        self._timed("all_reduce", reduce)
         for h, c in zip(parts, counts.tolist()):
             h.count = int(c)
         # The token statistics keep one value per token: every rank gets all of them, in rank order.
         energy = torch.cat(hess._energy) if hess._energy else torch.zeros(0)
         positions = torch.cat(hess._position) if hess._position else None
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, (energy, positions))
+        gathered: list[Any] = [None] * self.world_size
+        self._timed("all_reduce", lambda: dist.all_gather_object(gathered, (energy, positions)))
         hess._energy = [e for e, _ in gathered]  # type: ignore[misc]
         hess._position = [p for _, p in gathered] if all(p is not None for _, p in gathered) else []  # type: ignore[misc]
         hess._reduced = True
@@ -102,7 +119,7 @@ class Dist:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
+        self._timed("gather", lambda: dist.all_gather_object(gathered, mine))
         out: dict[str, Any] = {}
         for part in gathered:
             out.update(part)
@@ -119,7 +136,7 @@ class Dist:
 
         msg = None if error is None else f"{type(error).__name__}: {error}"
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, msg)
+        self._timed("check", lambda: dist.all_gather_object(gathered, msg))
         failed = [(r, m) for r, m in enumerate(gathered) if m is not None]
         if failed:
             if error is not None:
@@ -135,7 +152,7 @@ class Dist:
 
         digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, digest)
+        self._timed("check", lambda: dist.all_gather_object(gathered, digest))
         differ = [r for r, d in enumerate(gathered) if d != gathered[0]]
         if differ:
             raise DistributedError(f"{what} differ between ranks (rank 0 and rank(s) {differ}); start every "
@@ -145,7 +162,7 @@ class Dist:
         if self.active:
             import torch.distributed as dist
 
-            dist.barrier()
+            self._timed("check", dist.barrier)
 
 
 def _device(t: torch.Tensor) -> torch.device:
@@ -158,9 +175,15 @@ def current() -> Dist:
         import torch.distributed as dist
     except ImportError:  # a torch built without distributed
         return Dist()
+    key = (1, 0)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return Dist(dist.get_world_size(), dist.get_rank())
-    return Dist()
+        key = (dist.get_world_size(), dist.get_rank())
+    if _CURRENT.get("key") != key:  # one object per group, so its timers add up over a run
+        _CURRENT.update(key=key, dist=Dist(*key))
+    return _CURRENT["dist"]
+
+
+_CURRENT: dict[str, Any] = {}
 
 
 def init_from_env(device: str | None = None) -> tuple[Dist, str | None]:

@@ -42,7 +42,9 @@ def solve_units(units: Sequence[tuple[list[str], Any, str, float]], first: int, 
     """
     if not dist.active:
         for u, (subset, hess, method, t0) in enumerate(units):
+            started = time.perf_counter()
             solve_subset(linears, subset, first + u, hess, config, method, report, t0)
+            dist.seconds["solve"] += time.perf_counter() - started
             if after is not None:
                 after(subset)
         return
@@ -55,6 +57,7 @@ def solve_units(units: Sequence[tuple[list[str], Any, str, float]], first: int, 
     owner = {n: r for (_, n), r in zip(items, dist.assign([cost(u, n) for u, n in items]))}
     mine = {n for n, r in owner.items() if r == dist.rank}
     error = None
+    started = time.perf_counter()
     try:
         for u, (subset, hess, method, t0) in enumerate(units):
             part = [n for n in subset if n in mine]
@@ -62,6 +65,7 @@ def solve_units(units: Sequence[tuple[list[str], Any, str, float]], first: int, 
                 solve_subset(linears, part, first + u, hess, config, method, report, t0)
     except Exception as exc:  # every rank must reach the check below, or the others would hang
         error = exc
+    dist.seconds["solve"] += time.perf_counter() - started
     dist.check(error)
     payload = {n: (report.layers.pop(n), _own(report.solutions.pop(n)), report.fallbacks.pop(n, None))
                for n in mine}

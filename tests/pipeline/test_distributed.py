@@ -126,3 +126,116 @@ def test_a_failing_rank_stops_every_rank_and_is_named(tmp_path):
     assert "rank 1 of 2 failed: RuntimeError: injected failure on rank 1" in (out / "error0.txt").read_text()
     assert not list(out.glob("weights*.pt"))
 
+
+
+def _mismatch_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        # Rank 1 was started with other settings: refused on both, before any work.
+        optq.quantize(_model("llama"), _ids(), optq.QuantConfig(bits=3 + rank, group_size=16), progress=False)
+    except BaseException as exc:  # noqa: BLE001
+        Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_arguments_that_differ_between_ranks_are_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_mismatch_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD)
+    for r in range(WORLD):
+        text = (out / f"error{r}.txt").read_text()
+        assert text.startswith("DistributedError: the arguments") and "rank(s) [1]" in text
+
+
+def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bool) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    from optq.pipeline.journal import Journal
+    from optq.pipeline.stream import quantize_pretrained
+
+    if kill and rank == 0:
+        real = Journal.write_block
+
+        def write_block(self, i, tensors):
+            real(self, i, tensors)
+            if i == 1:
+                os._exit(1)  # a kill: no exception, no clean-up, the other rank is left waiting
+
+        Journal.write_block = write_block
+    try:
+        quantize_pretrained(src, dst, _ids(), CFG, progress=False, batch_size=2, hessian_dtype="float64",
+                            resume=not kill, max_shard_size=20_000)
+    except BaseException as exc:  # noqa: BLE001
+        Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    from optq.pipeline.stream import quantize_pretrained
+
+    model = _model("llama")
+    model.config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(model.config).float().eval().save_pretrained(tmp_path / "src")
+    torch.set_num_threads(1)
+    quantize_pretrained(tmp_path / "src", tmp_path / "one", _ids(), CFG, progress=False, batch_size=2,
+                        hessian_dtype="float64", max_shard_size=20_000)
+    out = tmp_path / "log"
+    out.mkdir()
+    args = (str(tmp_path / "src"), str(tmp_path / "two"), str(out))
+    # Rank 0 dies after writing block 1; the launcher (spawn here, torchrun alike) stops rank 1.
+    with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with exit code 1"):
+        mp.spawn(_stream_worker, args=(str(tmp_path / "store1"), *args, True), nprocs=WORLD)
+    assert not (tmp_path / "two").exists() and (tmp_path / "two.partial").is_dir()
+    left = {p.name for p in (tmp_path / "two.partial").glob("activations-*")}
+    assert {"activations-00001.rank0.safetensors", "activations-00001.rank1.safetensors"} <= left
+    assert json.loads((tmp_path / "two.partial" / "state.json").read_text())["done"] == 1
+    mp.spawn(_stream_worker, args=(str(tmp_path / "store2"), *args, False), nprocs=WORLD)
+    assert not (out / "error0.txt").exists()
+
+    def tensors(folder):
+        got = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            got.update(load_file(str(f)))
+        return got
+
+    a, b = tensors(tmp_path / "one"), tensors(tmp_path / "two")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="the NCCL path needs two CUDA GPUs")
+def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPUs are
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+        import optq
+        from optq.pipeline.dist import init_from_env
+        from tiny import build, tokens
+        d, device = init_from_env("cuda")
+        model = build("llama")
+        optq.quantize(model, tokens(n=8), optq.QuantConfig(bits=3, group_size=16), device=device,
+                      hessian_dtype="float64", progress=False)
+        torch.save(model.state_dict(), f"{tmp_path}/w{{d.rank}}.pt")
+    """))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    res = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    w0, w1 = torch.load(tmp_path / "w0.pt"), torch.load(tmp_path / "w1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
