@@ -15,13 +15,13 @@ Where an expert's Hessian comes from (``moe_calibration``):
   only (the block's output keeps the true routing). All experts' gate/up then share one H (the
   block's MoE input), collected once. Chosen by measurement (docs/moe.md): on a random
   Mixtral-shaped model it beat ``routed`` on every expert's held-out error and on the output
-  KL divergence, at about 1.7 times the time (top-2 of 8 experts).
+  KL divergence, at about 1.45 times the CPU time of routed-only calibration (top-2 of 8).
 - ``routed``: the tokens the router sends to it, as in the model's own forward. An
   expert routed fewer than ``moe_min_tokens`` tokens (default: its input width, below which H
-  is singular) is *starved*: its H would describe a handful of tokens. For experts optq runs itself (:class:`optq.formats.experts.ExpertLinears`,
-  every transformers MoE) it then gets the ``all`` Hessian below, from one more forward; for
-  experts in a model's own ``nn.ModuleList`` (custom code, whose routing optq cannot replay)
-  it is rounded to nearest. Either way the report says so, by name. Experts of a model's own
+  is singular) is *starved*: its H would describe a handful of tokens. For experts optq runs
+  itself (:class:`optq.formats.experts.ExpertLinears`, every transformers MoE) it then gets the
+  ``all`` Hessian above, from one more forward; for experts in a model's own ``nn.ModuleList``
+  (custom code, whose routing optq cannot replay) it is rounded to nearest. Either way the report says so, by name. Experts of a model's own
   ``nn.ModuleList`` are always calibrated this way: optq cannot make custom code run every token.
 """
 

@@ -239,3 +239,18 @@ def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPU
     assert res.returncode == 0, res.stderr[-2000:]
     w0, w1 = torch.load(tmp_path / "w0.pt"), torch.load(tmp_path / "w1.pt")
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_shares_cover_the_samples_once_and_work_goes_largest_first_to_the_least_loaded():
+    from optq.pipeline.dist import Dist
+
+    for n, world in ((8, 2), (7, 3), (3, 3), (128, 8)):
+        shares = [Dist(world, r).share(n) for r in range(world)]
+        assert shares[0][0] == 0 and shares[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))  # contiguous, no overlap
+        assert max(hi - lo for lo, hi in shares) - min(hi - lo for lo, hi in shares) <= 1
+    # Greedy by hand: 9 -> r0; 7 -> r1; 5 -> r1 (7 < 9)... loads end 9+3, 7+5, and 4 ties go low.
+    owners = Dist(2, 0).assign([3.0, 9.0, 5.0, 7.0])
+    assert owners == [0, 0, 1, 1]
+    assert Dist(3, 0).assign([1.0, 1.0, 1.0, 1.0]) == [0, 1, 2, 0]
+    assert Dist().assign([5.0, 1.0]) == [0, 0]
