@@ -10,7 +10,10 @@ rest), ``all-reduce`` (Hessian sums and token statistics), ``solve`` (this rank'
 GPTQ solves) and ``broadcast`` (gathering the other ranks' solutions, and the failure checks).
 Prints a table and writes benchmarks/results/distributed.json.
 
-    python benchmarks/distributed.py [--nsamples 32] [--seqlen 512]
+    python benchmarks/distributed.py [--nsamples 32] [--seqlen 512] [--hessian-cost]
+
+``--hessian-cost`` instead measures what the deterministic mode costs: one process, float32
+against float64 Hessians (benchmarks/results/hessian_dtype_cost.json).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def worker(rank: int, world: int, threads: int, store: str, out: str, nsamples: int, seqlen: int) -> None:
+def worker(rank: int, world: int, threads: int, store: str, out: str, nsamples: int, seqlen: int,
+           hessian_dtype: str = "float64") -> None:
     torch.set_num_threads(threads)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -45,7 +49,7 @@ def worker(rank: int, world: int, threads: int, store: str, out: str, nsamples: 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     report = optq.quantize(model, calib, optq.QuantConfig(bits=4, group_size=128), progress=False,
-                           hessian_dtype="float64")
+                           hessian_dtype=hessian_dtype)
     wall = time.perf_counter() - t0
     digest = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
@@ -63,9 +67,10 @@ def worker(rank: int, world: int, threads: int, store: str, out: str, nsamples: 
         dist.destroy_process_group()
 
 
-def run(world: int, threads: int, args: argparse.Namespace) -> list[dict]:
+def run(world: int, threads: int, args: argparse.Namespace, hessian_dtype: str = "float64") -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(world, threads, f"{tmp}/store", tmp, args.nsamples, args.seqlen), nprocs=world)
+        mp.spawn(worker, args=(world, threads, f"{tmp}/store", tmp, args.nsamples, args.seqlen, hessian_dtype),
+                 nprocs=world)
         return [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -74,7 +79,16 @@ def main() -> None:
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "distributed.json"))
+    ap.add_argument("--hessian-cost", action="store_true",
+                    help="only: the cost of float64 Hessians, 1 process x 2 threads, float32 vs float64")
     args = ap.parse_args()
+    if args.hessian_cost:
+        f32, f64 = run(1, 2, args, "float32")[0], run(1, 2, args, "float64")[0]
+        print(f"float32 Hessians: {f32['wall_s']:.1f} s, {f32['peak_rss_mb']:.0f} MB; float64: "
+              f"{f64['wall_s']:.1f} s, {f64['peak_rss_mb']:.0f} MB; ratio {f64['wall_s'] / f32['wall_s']:.2f}")
+        path = Path(args.out).with_name("hessian_dtype_cost.json")
+        path.write_text(json.dumps({"args": vars(args), "float32": f32, "float64": f64}, indent=1) + "\n")
+        return
     runs = {"1 process x 2 threads": run(1, 2, args), "2 processes x 1 thread": run(2, 1, args)}
     print(f"SmolLM2-135M, 4-bit g128, {args.nsamples} x {args.seqlen} enwiki tokens, float64 Hessians")
     print(f"{'run':24s} {'rank':>4s} {'wall s':>7s} {'peak MB':>8s} {'layers':>6s}   per block (s): "
