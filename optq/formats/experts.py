@@ -30,8 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ExpertLinears", "ExpertsLayout", "unfuse_experts", "checkpoint_namer", "experts_layout",
-           "is_router", "expert_index"]
+__all__ = ["ExpertLinears", "ExpertsLayout", "unfuse_experts", "checkpoint_namer", "experts_layout", "is_router"]
 
 _PER_EXPERT = re.compile(r"experts\.\*\.(\w+)\.weight$")
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -40,12 +39,6 @@ ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 def is_router(name: str) -> bool:
     """True for a mixture-of-experts router (``mlp.gate``, ``router``, ``shared_expert_gate``)."""
     return name.rsplit(".", 1)[-1] in ROUTER_NAMES
-
-
-def expert_index(name: str) -> int | None:
-    """The expert number in a name like ``...experts.3.w1`` (None for other layers)."""
-    m = re.search(r"\.experts\.(\d+)\.", name + ".")
-    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

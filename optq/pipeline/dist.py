@@ -82,7 +82,7 @@ class Dist:
         import torch.distributed as dist
 
         parts = [hess.main] + ([hess.plain] if hess.plain is not None else [])
-        counts = torch.tensor([h.count for h in parts], dtype=torch.int64, device=_device(hess.main.sum))
+        counts = torch.tensor([h.count for h in parts], dtype=torch.int64, device=hess.main.sum.device)
 
         def reduce() -> None:
             for h in parts:
@@ -165,10 +165,6 @@ class Dist:
             self._timed("check", dist.barrier)
 
 
-def _device(t: torch.Tensor) -> torch.device:
-    return t.device
-
-
 def current() -> Dist:
     """The run's process group: the initialised default group, else one process."""
     try:
@@ -214,8 +210,3 @@ def _close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def owned(dist_: Dist, items: Sequence[str], cost: Callable[[str], float]) -> set[str]:
-    """The items this rank solves (see :meth:`Dist.assign`)."""
-    owners = dist_.assign([cost(i) for i in items])
-    return {i for i, r in zip(items, owners) if r == dist_.rank}

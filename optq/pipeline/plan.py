@@ -50,12 +50,13 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
+from optq.formats.checkpoint import layer_namer
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import SAFETENSORS_DTYPES, parse_size, safetensors_header, split_shards
 from optq.formats.linears import find_linears, get_weight
 from optq.formats.packing import packed_length
 from optq.pipeline.discovery import drop_routers, find_blocks, select_names
-from optq.pipeline.moe import default_hessian_budget, expert_parts, siblings
+from optq.pipeline.moe import default_hessian_budget, expert_parts, hessian_bytes, siblings
 
 __all__ = ["RUNTIME_BYTES", "Plan", "machine_speed", "plan"]
 
@@ -267,7 +268,7 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
 
     model, cfg, src = _skeleton(source)
     unfuse_experts(model)  # as the run does: one linear per expert matrix
-    namer = checkpoint_namer(model)
+    layer_name = layer_namer(checkpoint_namer(model))  # packed tensors named as optq.save names them
     blocks_name, blocks = find_blocks(model)
     tensors = _persistent(model)
     if src is not None:
@@ -302,7 +303,7 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
                          "quantized": n in targets})
             if n in targets:
                 bias = getattr(mod, "bias", None) is not None
-                packed.update({namer(f"{n}.{k}"): v for k, v in _packed_bytes(int(K), int(N), bias, config).items()})
+                packed.update({f"{layer_name(n)}.{k}": v for k, v in _packed_bytes(int(K), int(N), bias, config).items()})
             flops += 2 * (T * top_k // len(siblings(lin, n)) if expert_parts(n) else T) * N * K
         stage_hessians: dict[str, int] = {}
         stage_solve: dict[str, int] = {}
@@ -319,10 +320,9 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
                 # while they are solved, up to the budget; each expert sees its share of the
                 # routed tokens, or all of them with "all".
                 key = f"{parts[0]}@{parts[2]}"
-                stage_hessians[key] = stage_hessians.get(key, 0) + K * K * 8
+                stage_hessians[key] = stage_hessians.get(key, 0) + hessian_bytes(K, config.normalize_tokens)
                 stage_solve[key] = max(stage_solve.get(key, 0), solve)
-                share = T if moe_calibration == "all" else T * top_k // len(siblings(lin, mine[0]))
-                hess_flops += 2 * share * K * K
+                hess_flops += 2 * (T if moe_calibration == "all" else T * top_k // len(siblings(lin, mine[0]))) * K * K
             else:
                 solve_peak = max(solve_peak, K * K * 4 + solve)
                 hess_flops += 2 * T * K * K
