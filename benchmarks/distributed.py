@@ -42,7 +42,7 @@ def worker(rank: int, world: int, threads: int, store: str, out: str, nsamples: 
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     import optq
     from optq.data import tokens, zoo
-    from optq.pipeline.dist import current
+    from optq.pipeline.distributed.ranks import current
 
     model, tok = zoo.load_model("smollm2-135m")
     calib = tokens.calibration_windows("enwiki", tok, nsamples, seqlen, 0)

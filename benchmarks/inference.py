@@ -44,7 +44,7 @@ def _quantize(src: Path, dst: Path) -> None:
 
     import optq
     from optq.formats.linears import find_linears, get_weight
-    from optq.pipeline.discovery import find_blocks
+    from optq.pipeline.blocks.discovery import find_blocks
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     prefix, _ = find_blocks(model)

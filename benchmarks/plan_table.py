@@ -1,6 +1,6 @@
 """The dry-run plan of large models, as a markdown table for the README.
 
-Predicted peak RAM and disk of ``quantize_pretrained`` (``optq.pipeline.plan``; no weights
+Predicted peak RAM and disk of ``quantize_pretrained`` (``optq.pipeline.planning.plan``; no weights
 needed: the configs below are the models' config.json values) for Llama-3-8B, Llama-3-70B,
 Llama-3.1-405B and DeepSeek-V3 at 128 x 2048 calibration tokens, bf16 source, 4-bit g128,
 strategy replay, 5 GB output shards. Peak RAM is given for float32 block compute (the CPU
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import optq
-from optq.pipeline.plan import GB, plan
+from optq.pipeline.planning.plan import GB, plan
 
 LLAMA = {"model_type": "llama", "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0,
              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
@@ -79,7 +79,7 @@ def main() -> int:
     head = ["model", "block params", "one block (fp32)", "embeddings (fp32)", "activations T·h·4", "Hessian + solve",
             "peak RAM, fp32 compute", "peak RAM, bf16 compute", "output", "journal (blocks + activations)",
             "disk at peak"]
-    print(f"Predicted by `optq quantize --dry-run` (optq.pipeline.plan) at {args.nsamples} x {args.seqlen} "
+    print(f"Predicted by `optq quantize --dry-run` (optq.pipeline.planning.plan) at {args.nsamples} x {args.seqlen} "
           "calibration tokens, bf16 source, 4-bit g128, strategy replay; GB = 1e9 bytes.\n")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join(["---"] * len(head)) + "|")

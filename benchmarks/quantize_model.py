@@ -75,7 +75,7 @@ def trim_heap() -> None:
     """Return the heap's free pages so the next phase starts from what is alive."""
     import gc
 
-    from optq.pipeline.memory import releaser
+    from optq.pipeline.blocks.memory import releaser
 
     gc.collect()
     releaser("cpu")()

@@ -61,7 +61,7 @@ def worker(job: dict) -> dict:
     import transformers  # noqa: F401  (part of the runtime)
 
     import optq
-    from optq.pipeline.stream import quantize_pretrained
+    from optq.pipeline.stream.quantize import quantize_pretrained
 
     runtime = _status("VmRSS")
     calib = _calibration(job)
@@ -164,7 +164,7 @@ def tensors_identical(a: Path, b: Path) -> dict:
 def predicted(source: Path, nsamples: int, seqlen: int, shard: str) -> dict:
     sys.path.insert(0, str(ROOT))
     import optq
-    from optq.pipeline.plan import plan
+    from optq.pipeline.planning.plan import plan
 
     p = plan(source, nsamples=nsamples, seqlen=seqlen, config=optq.QuantConfig(), max_shard_size=shard)
     return {"peak_ram": p.peak_ram, "capture": p.capture, "ram": p.ram, "assembly": p.assembly, "output": p.output_bytes,

@@ -1,6 +1,6 @@
 """A scaling model for N GPUs under torch.distributed: what parallelises, and predicted times.
 
-Per decoder block, with T calibration tokens shared by N ranks (optq.pipeline.dist):
+Per decoder block, with T calibration tokens shared by N ranks (optq.pipeline.distributed.ranks):
 
     time(N) = (forwards + Hessian products) / N          data-parallel calibration
             + sum over stages of the most loaded rank's solves   parallel solves (Dist.assign)
@@ -8,7 +8,7 @@ Per decoder block, with T calibration tokens shared by N ranks (optq.pipeline.di
             + gathering the stage's solutions                (N-1)/N x 5 bytes per weight / gather bandwidth
 
 FLOPs, the stages and the solve work units (K^3 / group size + rows x K^2 per linear) come from
-the dry-run plan (optq.pipeline.plan) of each model's config; the rates below are ASSUMED for
+the dry-run plan (optq.pipeline.planning.plan) of each model's config; the rates below are ASSUMED for
 one H100/H200-class GPU, not measured (no GPU was lent to the session that wrote this): bf16
 forwards at 300 TFLOP/s, float32 Hessian products at 50 TFLOP/s, a solve unit at 5e-13 s (this
 CPU's measured 9.8e-12 s, 20 times faster), NCCL ring all-reduce at 150 GB/s, and 2 GB/s for
@@ -37,7 +37,7 @@ ANCHORS = {"Llama-3-8B": "llm-compressor GPTQ: 745 / 372 / 264 s on 1 / 2 / 4 GP
 
 def stages(listing: list[dict]) -> list[list[dict]]:
     """The block's stages: a dense group of linears sharing an input, or one matrix of every expert."""
-    from optq.pipeline.moe import expert_parts
+    from optq.pipeline.moe.stages import expert_parts
 
     out: dict[tuple, list[dict]] = {}
     for row in listing:
@@ -50,8 +50,8 @@ def stages(listing: list[dict]) -> list[list[dict]]:
 
 
 def block_time(listing: list[dict], n: int, fwd_hess: float) -> dict[str, float]:
-    from optq.pipeline.dist import Dist
-    from optq.pipeline.moe import expert_parts
+    from optq.pipeline.distributed.ranks import Dist
+    from optq.pipeline.moe.stages import expert_parts
 
     solve = allreduce = gather = 0.0
     for stage in stages(listing):
@@ -72,7 +72,7 @@ def block_time(listing: list[dict], n: int, fwd_hess: float) -> dict[str, float]
 
 def main() -> None:
     import optq
-    from optq.pipeline.plan import plan
+    from optq.pipeline.planning.plan import plan
     from plan_table import MODELS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

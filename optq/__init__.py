@@ -38,7 +38,7 @@ _EXPORTS = {
     "pack": "formats.packing",
     "unpack": "formats.packing",
     "QuantLinear": "formats.qlinear",
-    "quantize": "pipeline.loop",
+    "quantize": "pipeline.blocks.loop",
     "Report": "pipeline.report",
     "save": "formats.checkpoint",
     "load": "formats.checkpoint",

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from optq.data.tokens import load_tokens
     from optq.data.zoo import ModelNotInstalledError, eval_bos_id, load_model
     from optq.eval.perplexity import NonFiniteLogitsError, perplexity_detail
-    from optq.pipeline.calibration import check_seqlen, max_positions
+    from optq.pipeline.blocks.calibration import check_seqlen, max_positions
 
     corpora = [c.strip() for c in args.data.split(",") if c.strip()]
     if not corpora:

@@ -135,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def _model_folder(name: str) -> Path:
     from optq.data.zoo import known_models
-    from optq.pipeline.stream import local_folder
+    from optq.pipeline.stream.quantize import local_folder
 
     try:
         return local_folder(name)
@@ -198,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from optq.formats.files import parse_size
-    from optq.pipeline.calibration import check_seqlen, max_positions
-    from optq.pipeline.stream import quantize_pretrained
+    from optq.pipeline.blocks.calibration import check_seqlen, max_positions
+    from optq.pipeline.stream.quantize import quantize_pretrained
 
     try:
         parse_size(args.max_shard_size)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if args.dry_run:
         return _dry_run(folder, args, config)
-    from optq.pipeline.dist import init_from_env
+    from optq.pipeline.distributed.ranks import init_from_env
 
     # Under torchrun (WORLD_SIZE > 1): one process group, gloo on CPU, NCCL and cuda:LOCAL_RANK on GPUs.
     dist, args.device = init_from_env(args.device)
@@ -255,8 +255,8 @@ def moe_options(args: argparse.Namespace) -> dict[str, Any]:
 def _dry_run(folder: Path, args: argparse.Namespace, config: Any) -> int:
     import torch
 
-    from optq.pipeline.plan import plan
-    from optq.pipeline.source import SafetensorsSource
+    from optq.pipeline.planning.plan import plan
+    from optq.pipeline.stream.source import SafetensorsSource
 
     try:
         # As a run would: float32 on CPU unless asked, the source dtype on CUDA.

@@ -100,7 +100,7 @@ def round_to_nearest(model: nn.Module, config: QuantConfig) -> dict[str, Any]:
     """Round every linear of the decoder blocks to nearest on ``config``'s grid, in place."""
     from optq.core.solver import rtn
     from optq.formats.linears import find_linears, get_weight, set_weight
-    from optq.pipeline.discovery import find_blocks
+    from optq.pipeline.blocks.discovery import find_blocks
 
     prefix, blocks = find_blocks(model)
     layers = 0
@@ -158,7 +158,7 @@ def compare(
         on_result: called with (result, quantized model) after each variant, e.g. to print a
             row as soon as it is known or to save the model.
     """
-    from optq.pipeline.loop import (
+    from optq.pipeline.blocks.loop import (
         quantize,  # the pipeline pulls in transformers-aware code
     )
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from optq.data.tokens import eval_windows
-from optq.pipeline.calibration import check_seqlen, max_positions
+from optq.pipeline.blocks.calibration import check_seqlen, max_positions
 
 __all__ = ["perplexity", "perplexity_detail", "PerplexityResult", "NonFiniteLogitsError"]
 

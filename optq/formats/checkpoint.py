@@ -39,7 +39,7 @@ from optq.formats.files import (
     write_json,
     write_safetensors,
 )
-from optq.formats.gptq import (
+from optq.formats.gptq_config import (
     CheckpointError,
     check_gptq_config,
     gptq_config,

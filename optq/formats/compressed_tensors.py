@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from optq.formats.experts import is_router
-from optq.formats.gptq import CheckpointError, gptq_config
+from optq.formats.gptq_config import CheckpointError, gptq_config
 from optq.formats.linears import is_linear
 from optq.formats.packing import pack
 from optq.formats.qlinear import QuantLinear

@@ -38,12 +38,12 @@ class LayerReport:
     tokens of the squared output error |Δ x_t|², the quantity the GPTQ paper minimises, and
     ``rtn_output_error`` round-to-nearest's. With ``normalize_tokens`` it is measured on a
     systematic sample of ``output_tokens`` tokens (about one in 16, visiting every position of a
-    window equally often; see ``optq.pipeline.hessians``): that costs about 3% of the quantize
+    window equally often; see ``optq.pipeline.blocks.hessians``): that costs about 3% of the quantize
     time where all tokens would cost 24%. Without ``normalize_tokens`` it equals the objective,
     on every token, at no cost.
 
     ``calibration`` says how concentrated the layer's calibration input is on a few tokens
-    (``optq.pipeline.hessians.token_energy_stats``): the share of Σ|x_t|² owned by the top 1% of
+    (``optq.pipeline.blocks.hessians.token_energy_stats``): the share of Σ|x_t|² owned by the top 1% of
     tokens and by the tokens at position 0.
 
     ``seconds`` is the layer's share, by rows, of its subset's Hessian pass and solve.

@@ -58,7 +58,7 @@ def _library_errors():
     from optq.core.factor import FactorizationError
     from optq.data.corpora import CorpusError
     from optq.data.zoo import ModelNotInstalledError
-    from optq.formats.gptq import CheckpointError
+    from optq.formats.gptq_config import CheckpointError
 
     return [
         (ValueError("bits=5 is not supported"), 2, "bits=5 is not supported"),
@@ -162,7 +162,7 @@ def test_a_full_disk_at_the_end_is_one_line_and_keeps_the_run_resumable(model_di
 
 
 def test_overwrite_interrupted_keeps_the_old_folder(model_dir, tmp_path, monkeypatch):
-    from optq.pipeline import stream
+    from optq.pipeline.stream import quantize as stream
 
     out = tmp_path / "q"
     out.mkdir()

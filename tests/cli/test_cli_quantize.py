@@ -70,7 +70,7 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
 @pytest.mark.parametrize("where", ["solver", "writing"])
 def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch, where):
     from optq.core import solver
-    from optq.pipeline import stream
+    from optq.pipeline.stream import quantize as stream
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

@@ -292,7 +292,7 @@ def test_fused_experts_optq_cannot_split_stay_float_and_are_named(tmp_path, caps
 
 # ----------------------------------------------------------------------------- streaming
 def test_save_pretrained_writes_per_expert_source_names_and_the_source_reads_them(tmp_path):
-    from optq.pipeline.source import SafetensorsSource, SourceError
+    from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
     original = tiny_moe.build("mixtral")
     original.to(torch.bfloat16).save_pretrained(tmp_path / "src")
@@ -324,7 +324,7 @@ def test_streamed_mixtral_matches_quantize_and_save(tmp_path, fmt):
     # Runs the pipeline (optq.quantize, quantize_pretrained) end to end on a tiny Mixtral.
     from transformers import AutoModelForCausalLM
 
-    from optq.pipeline.stream import quantize_pretrained
+    from optq.pipeline.stream.quantize import quantize_pretrained
 
     tiny_moe.build("mixtral").save_pretrained(tmp_path / "src")
     cfg = optq.QuantConfig(bits=4, group_size=16)

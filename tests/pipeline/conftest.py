@@ -56,7 +56,7 @@ def tokens(*a, **kw) -> torch.Tensor:
 
 def stream(src: Path, out: Path, **kw):
     """``quantize_pretrained`` on 6 x 16 random tokens, 3 bits, group 16, small output shards."""
-    from optq.pipeline.stream import quantize_pretrained
+    from optq.pipeline.stream.quantize import quantize_pretrained
 
     kw.setdefault("progress", False)
     kw.setdefault("max_shard_size", SHARD)

@@ -43,7 +43,7 @@ def _run(arch: str, hessian_dtype: str, fail: bool = False):
         kw["moe_calibration"] = "routed"
         kw["moe_min_tokens"] = 0
     if fail and dist.get_rank() == 1:
-        import optq.pipeline.solve as solve
+        import optq.pipeline.blocks.groups as solve
 
         real = solve.solve_subset
 
@@ -155,8 +155,8 @@ def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))
-    from optq.pipeline.journal import Journal
-    from optq.pipeline.stream import quantize_pretrained
+    from optq.pipeline.stream.journal import Journal
+    from optq.pipeline.stream.quantize import quantize_pretrained
 
     if kill and rank == 0:
         real = Journal.write_block
@@ -180,7 +180,7 @@ def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bo
 def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tmp_path):
     from safetensors.torch import load_file
 
-    from optq.pipeline.stream import quantize_pretrained
+    from optq.pipeline.stream.quantize import quantize_pretrained
 
     model = _model("llama")
     model.config.num_hidden_layers = 3
@@ -226,7 +226,7 @@ def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPU
         import sys, torch
         sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
         import optq
-        from optq.pipeline.dist import init_from_env
+        from optq.pipeline.distributed.ranks import init_from_env
         from tiny import build, tokens
         d, device = init_from_env("cuda")
         model = build("llama")
@@ -242,7 +242,7 @@ def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPU
 
 
 def test_shares_cover_the_samples_once_and_work_goes_largest_first_to_the_least_loaded():
-    from optq.pipeline.dist import Dist
+    from optq.pipeline.distributed.ranks import Dist
 
     for n, world in ((8, 2), (7, 3), (3, 3), (128, 8)):
         shares = [Dist(world, r).share(n) for r in range(world)]

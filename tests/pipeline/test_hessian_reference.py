@@ -149,7 +149,7 @@ def test_calibration_statistics_match_a_whole_model_forward(monkeypatch):
 
 
 def test_token_energy_stats_small_cases():
-    from optq.pipeline.hessians import token_energy_stats
+    from optq.pipeline.blocks.hessians import token_energy_stats
 
     energy = torch.tensor([100.0, 1.0, 1.0, 2.0, 50.0, 1.0, 1.0, 4.0])
     positions = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])

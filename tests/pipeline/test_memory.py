@@ -8,8 +8,8 @@ import torch
 import optq
 from optq.core import solver
 from optq.formats.linears import find_linears
-from optq.pipeline import capture, memory
-from optq.pipeline.memo import Memo
+from optq.pipeline.blocks import capture, memory
+from optq.pipeline.blocks.memo import Memo
 
 pytest.importorskip("transformers")
 from tiny import build, tokens  # noqa: E402

@@ -248,7 +248,7 @@ def test_routing_weighted_hessian_weighs_each_token_by_its_squared_routing_weigh
 
 
 def test_plan_lists_every_expert_and_bounds_the_stage_hessians_by_the_budget():
-    from optq.pipeline.plan import plan
+    from optq.pipeline.planning.plan import plan
 
     cfg = build("mixtral").config.to_dict()
     cfg["num_local_experts"] = 64  # enough that an expert stage's Hessians outweigh any dense group
@@ -302,7 +302,7 @@ def test_quantized_moe_saves_under_source_names_and_loads_to_the_same_logits(arc
 
 # --------------------------------------------------------------------------- streaming
 def test_streamed_mixtral_killed_after_block_0_resumes_to_the_same_bytes(kit, tmp_path, monkeypatch):
-    from optq.pipeline.journal import Journal
+    from optq.pipeline.stream.journal import Journal
 
     class Kill(BaseException):
         pass

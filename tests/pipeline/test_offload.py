@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import optq
-from optq.pipeline import stream
+from optq.pipeline.stream import quantize as stream
 
 transformers = pytest.importorskip("transformers")
 from tiny import build, tokens  # noqa: E402

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import optq
-from optq.pipeline import hessians
-from optq.pipeline.hessians import LayerHessians
+from optq.pipeline.blocks import hessians
+from optq.pipeline.blocks.hessians import LayerHessians
 
 pytest.importorskip("transformers")
 from tiny import CFG, build, run, tokens  # noqa: E402

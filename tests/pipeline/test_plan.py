@@ -14,10 +14,10 @@ from tiny import build, tokens
 
 import optq
 from optq.formats.linears import find_linears
-from optq.pipeline import plan as plan_mod
-from optq.pipeline.plan import RUNTIME_BYTES, plan
-from optq.pipeline.source import SafetensorsSource
-from optq.pipeline.stream import quantize_pretrained
+from optq.pipeline.planning import plan as plan_mod
+from optq.pipeline.planning.plan import RUNTIME_BYTES, plan
+from optq.pipeline.stream.source import SafetensorsSource
+from optq.pipeline.stream.quantize import quantize_pretrained
 
 CFG = optq.QuantConfig(bits=4, group_size=16)
 SPEED = {"flops": 1e10, "solve_unit": 1e-10}  # fixed: no timing in the tests

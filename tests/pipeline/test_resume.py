@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import optq.pipeline.journal as journal_mod
+import optq.pipeline.stream.journal as journal_mod
 from optq.core import solver
 from optq.formats import files
-from optq.pipeline import stream as stream_mod
-from optq.pipeline.journal import Journal, JournalError
-from optq.pipeline.source import SafetensorsSource
+from optq.pipeline.stream import quantize as stream_mod
+from optq.pipeline.stream.journal import Journal, JournalError
+from optq.pipeline.stream.source import SafetensorsSource
 
 pytest.importorskip("transformers")
 
@@ -222,7 +222,7 @@ import os, signal, sys, torch
 sys.path.insert(0, {tests!r}); sys.path.insert(0, {here!r})
 torch.set_num_threads(1)
 from conftest import stream
-from optq.pipeline.journal import Journal
+from optq.pipeline.stream.journal import Journal
 orig = Journal._save
 def save(self, path, tensors):
     orig(self, path, tensors)

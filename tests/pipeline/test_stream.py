@@ -1,4 +1,4 @@
-"""The streaming path (``optq.pipeline.stream.quantize_pretrained``): tiny sharded models read one
+"""The streaming path (``optq.pipeline.stream.quantize.quantize_pretrained``): tiny sharded models read one
 block at a time from safetensors, the source dtype kept, the in-memory path's bytes reproduced,
 nothing read before it is needed, pickled weights and missing shards refused, and the GPU path."""
 
@@ -17,10 +17,10 @@ import optq
 from optq.formats.files import INDEX, read_index
 from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear
-from optq.pipeline import stream as stream_mod
-from optq.pipeline.discovery import find_blocks
-from optq.pipeline.journal import Journal
-from optq.pipeline.source import SafetensorsSource, SourceError
+from optq.pipeline.stream import quantize as stream_mod
+from optq.pipeline.blocks.discovery import find_blocks
+from optq.pipeline.stream.journal import Journal
+from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
 pytest.importorskip("transformers")
 from tiny import build

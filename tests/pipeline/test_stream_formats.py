@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import optq
-from optq.pipeline.stream import quantize_pretrained
+from optq.pipeline.stream.quantize import quantize_pretrained
 
 transformers = pytest.importorskip("transformers")
 from tiny import build, tokens  # noqa: E402

@@ -18,13 +18,14 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats.experts import ExpertLinears
 from optq.formats.linears import find_linears, get_weight
-from optq.pipeline import capture, memory, moe
-from optq.pipeline.hessians import LayerHessians
-from optq.pipeline.dist import Dist
-from optq.pipeline.memo import Memo
+from optq.pipeline.blocks import capture, memory
+from optq.pipeline.moe import stages as moe
+from optq.pipeline.blocks.hessians import LayerHessians
+from optq.pipeline.distributed.ranks import Dist
+from optq.pipeline.blocks.memo import Memo
 from optq.pipeline.report import Report
-from optq.pipeline.solve import solve_subset, solve_units
-from optq.pipeline.stepper import PausedForwards
+from optq.pipeline.blocks.groups import solve_subset, solve_units
+from optq.pipeline.blocks.stepper import PausedForwards
 
 __all__ = ["quantize_block"]
 
@@ -70,7 +71,7 @@ def quantize_block(
     def solve(k: int, units: list[tuple[list[str], Any, str, float]]) -> None:
         # Seam 2, where Hessians are summed: the units' Hessians hold every rank's calibration
         # tokens here (all-reduced by dist.reduce_hessian); their linears are solved, spread
-        # over the ranks when there are several (optq.pipeline.solve.solve_units).
+        # over the ranks when there are several (optq.pipeline.blocks.groups.solve_units).
         solve_units(units, k, linears, config, report, dist,
                     after=lambda subset: bar.set_postfix_str(_postfix(report, subset), refresh=False))
 

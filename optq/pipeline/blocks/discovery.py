@@ -4,7 +4,7 @@ No class per architecture: blocks are found through ``_no_split_modules`` (the c
 transformers itself keeps whole on one device) or, failing that, as the longest ``nn.ModuleList``
 of modules of one class; linears are ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2), whose
 weight is stored transposed ([in, out]). Capturing and replaying block inputs lives in
-``optq.pipeline.capture``; which modules are linears, ``optq.formats.linears``.
+``optq.pipeline.blocks.capture``; which modules are linears, ``optq.formats.linears``.
 """
 
 from __future__ import annotations

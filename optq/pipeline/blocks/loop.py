@@ -5,7 +5,7 @@ gate/up, then down in a Llama block); for each group in that order, run the cali
 through the block up to that group, accumulate ONE Hessian of the group's input, solve all of
 the group's weights together (their rows stacked: GPTQ treats rows independently and they share
 H), and write the quantized weights back, so the next group sees the effect of the earlier ones.
-The block's outputs then become the next block's inputs (``optq.pipeline.block`` does one block).
+The block's outputs then become the next block's inputs (``optq.pipeline.blocks.block`` does one block).
 
 Memory: the model stays where it is; only the current block is moved to ``device``. With
 T = nsamples x seqlen calibration tokens, b = batch_size x seqlen tokens per forward, h the
@@ -43,12 +43,12 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats.experts import is_router, unfuse_experts
 from optq.formats.linears import find_linears, get_weight, is_linear
-from optq.pipeline import capture
-from optq.pipeline.block import quantize_block
-from optq.pipeline.calibration import calibration_samples, make_batches, max_positions
-from optq.pipeline.discovery import drop_routers, find_blocks, select_names
-from optq.pipeline.dist import Dist, current
-from optq.pipeline.moe import MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
+from optq.pipeline.blocks import capture
+from optq.pipeline.blocks.block import quantize_block
+from optq.pipeline.blocks.calibration import calibration_samples, make_batches, max_positions
+from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
+from optq.pipeline.distributed.ranks import Dist, current
+from optq.pipeline.moe.stages import MOE_CALIBRATION, MOE_WEIGHTING, default_hessian_budget
 from optq.pipeline.report import Report
 
 __all__ = ["quantize", "Report"]
@@ -296,7 +296,7 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, *, propagat
     dist.same_everywhere("the arguments (calibration, settings, targets)",
                          [{k: v for k, v in options.items() if k != "device"}, sorted(targets), config.to_dict(),
                           [s.tolist() for s in samples]])
-    from optq.pipeline.journal import tensor_digest
+    from optq.pipeline.stream.journal import tensor_digest
 
     return Run(blocks_name, blocks, all_linears, targets, batches, device, options, skipped,
                tensor_digest(list(samples)))

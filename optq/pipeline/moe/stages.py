@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from optq.formats.experts import ExpertLinears
-from optq.pipeline import capture
-from optq.pipeline.dist import Dist
-from optq.pipeline.hessians import LayerHessians
+from optq.pipeline.blocks import capture
+from optq.pipeline.distributed.ranks import Dist
+from optq.pipeline.blocks.hessians import LayerHessians
 
 __all__ = ["Stage", "plan_stages", "collect_stage", "MOE_CALIBRATION",
            "default_hessian_budget", "expert_parts", "NoTokens", "MOE_WEIGHTING", "siblings"]
@@ -294,6 +294,6 @@ class NoTokens:
         return None
 
     def token_stats(self) -> dict:
-        from optq.pipeline.hessians import token_energy_stats
+        from optq.pipeline.blocks.hessians import token_energy_stats
 
         return token_energy_stats(torch.zeros(0))

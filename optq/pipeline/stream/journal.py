@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optq.formats.files import atomic_write, move_into_place
-from optq.pipeline.dist import Dist
+from optq.pipeline.distributed.ranks import Dist
 
 __all__ = ["Journal", "JournalError", "partial_path", "tensor_digest"]
 

@@ -3,7 +3,7 @@
 ``solve_subset`` stacks the group's rows (GPTQ treats rows independently and they share H: one
 stacked solve equals separate solves, with one factorisation), writes the quantized weights back
 and fills the report. ``solve_units`` does that for a stage's groups; under torch.distributed
-each rank solves the linears :mod:`optq.pipeline.dist` assigns it, and every rank then takes
+each rank solves the linears :mod:`optq.pipeline.distributed.ranks` assigns it, and every rank then takes
 the others' solutions, so all ranks continue with the same block.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from optq.core import solver
 from optq.core.config import QuantConfig
 from optq.formats.linears import get_weight, set_weight
-from optq.pipeline.dist import Dist
+from optq.pipeline.distributed.ranks import Dist
 from optq.pipeline.report import LayerReport, Report
 
 __all__ = ["solve_subset", "solve_units"]

@@ -2,8 +2,8 @@
 
 ``quantize_pretrained(source, out, calibration, config)`` builds the model on the meta device,
 reads each decoder block from the safetensors shards only while it is quantized (seam 1,
-``optq.pipeline.source``), packs the block's layers and writes them to the resume journal in
-``OUT.partial/`` (``optq.pipeline.journal``), then frees the block. At the end the checkpoint
+``optq.pipeline.stream.source``), packs the block's layers and writes them to the resume journal in
+``OUT.partial/`` (``optq.pipeline.stream.journal``), then frees the block. At the end the checkpoint
 is assembled shard by shard: packed tensors from the journal, every other tensor copied from
 the source as stored (a bf16 model's embeddings, norms and head stay bf16), under the source's
 own names: the packed layers too, a Mixtral expert's as ``block_sparse_moe.experts.3.w1.qweight``
@@ -36,16 +36,16 @@ from optq.formats import compressed_tensors
 from optq.formats.checkpoint import REPORT_FILE, layer_namer
 from optq.formats.experts import checkpoint_namer
 from optq.formats.files import INDEX, read_header, write_json, write_safetensors_lazily
-from optq.formats.gptq import describe_gptq, is_natural
+from optq.formats.gptq_config import describe_gptq, is_natural
 from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear
-from optq.pipeline import capture
-from optq.pipeline.block import quantize_block
-from optq.pipeline.dist import current
-from optq.pipeline.journal import Journal
-from optq.pipeline.loop import _versions, check_finite_weights, prepare
+from optq.pipeline.blocks import capture
+from optq.pipeline.blocks.block import quantize_block
+from optq.pipeline.distributed.ranks import current
+from optq.pipeline.stream.journal import Journal
+from optq.pipeline.blocks.loop import _versions, check_finite_weights, prepare
 from optq.pipeline.report import LayerReport, Report
-from optq.pipeline.source import SafetensorsSource, SourceError
+from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
 __all__ = ["quantize_pretrained", "local_folder", "STREAM_FORMATS"]
 

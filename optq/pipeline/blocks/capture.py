@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from optq.core.hessian import Hessian
-from optq.pipeline.hessians import LayerHessians
+from optq.pipeline.blocks.hessians import LayerHessians
 
 __all__ = ["Call", "Plan", "capture_inputs", "run_block", "discover_subsets", "collect_hessian"]
 

@@ -2,7 +2,7 @@
 
 ``plan(source, nsamples=..., seqlen=..., config=...)`` reads the model's ``config.json`` and, for
 a folder, its safetensors headers (exact bytes); builds the model on the meta device; lists the
-decoder blocks and their linears; and predicts what :func:`optq.pipeline.stream.quantize_pretrained`
+decoder blocks and their linears; and predicts what :func:`optq.pipeline.stream.quantize.quantize_pretrained`
 will need, as named terms:
 
 peak RAM = max(capture, blocks phase, assembly), where (T = nsamples x seqlen calibration
@@ -55,8 +55,8 @@ from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import SAFETENSORS_DTYPES, parse_size, safetensors_header, split_shards
 from optq.formats.linears import find_linears, get_weight
 from optq.formats.packing import packed_length
-from optq.pipeline.discovery import drop_routers, find_blocks, select_names
-from optq.pipeline.moe import default_hessian_budget, expert_parts, hessian_bytes, siblings
+from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
+from optq.pipeline.moe.stages import default_hessian_budget, expert_parts, hessian_bytes, siblings
 
 __all__ = ["RUNTIME_BYTES", "Plan", "machine_speed", "plan"]
 
@@ -190,7 +190,7 @@ def _skeleton(source: Any) -> tuple[nn.Module, dict[str, Any], Any]:
     """
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    from optq.pipeline.source import SafetensorsSource
+    from optq.pipeline.stream.source import SafetensorsSource
 
     src = None
     if isinstance(source, (str, Path)):
@@ -264,7 +264,7 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
     transformers config) with these settings; reads no tensor data. ``source_dtype`` is needed
     only for a config (default: its ``torch_dtype``/``dtype``, else bfloat16); ``speed`` as
     returned by :func:`machine_speed` (measured when None)."""
-    from optq.formats.gptq import describe_gptq
+    from optq.formats.gptq_config import describe_gptq
 
     model, cfg, src = _skeleton(source)
     unfuse_experts(model)  # as the run does: one linear per expert matrix
@@ -368,7 +368,7 @@ def plan(source: Any, *, nsamples: int, seqlen: int, config: QuantConfig, batch_
                                                                            for k in entries}}
         small += _json_len(index)
     if src is not None:
-        from optq.pipeline.stream import _COPIED, _NOT_COPIED
+        from optq.pipeline.stream.quantize import _COPIED, _NOT_COPIED
 
         small += sum(p.stat().st_size for pat in _COPIED for p in src.folder.glob(pat)
                      if p.name not in _NOT_COPIED and p.is_file())
