@@ -1,6 +1,6 @@
 """The dry-run plan of large models, as a markdown table for the README.
 
-Predicted peak RAM and disk of ``quantize_pretrained`` (``optq.pipeline.planning.plan``; no weights
+Predicted peak RAM and disk of ``quantize_pretrained`` (``optq.pipeline.planning.predict``; no weights
 needed: the configs below are the models' config.json values) for Llama-3-8B, Llama-3-70B,
 Llama-3.1-405B and DeepSeek-V3 at 128 x 2048 calibration tokens, bf16 source, 4-bit g128,
 strategy replay, 5 GB output shards. Peak RAM is given for float32 block compute (the CPU
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import optq
-from optq.pipeline.planning.plan import GB, plan
+from optq.pipeline.planning import plan
+from optq.pipeline.planning.runplan import GB
 
 LLAMA = {"model_type": "llama", "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0,
              "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
@@ -71,7 +72,7 @@ def main() -> int:
         out[name] = {"float32": _brief(fp32.to_dict()), "bfloat16": _brief(bf16.to_dict()), "quantized_weights": q}
         rows.append([name, f"{params / 1e9:.0f}B in {len(fp32.blocks)} blocks", f"{r['one block'] / GB:.1f}",
                      f"{fp32.capture['embeddings (+ norm)'] / GB:.1f}", f"{r['activations'] / GB:.1f}",
-                     f"{r['hessian + solve'] / GB:.1f}", f"**{fp32.peak_ram / GB:.1f}**", f"{bf16.peak_ram / GB:.1f}",
+                     f"{(r['hessians'] + r['solve workspace']) / GB:.1f}", f"**{fp32.peak_ram / GB:.1f}**", f"{bf16.peak_ram / GB:.1f}",
                      f"{fp32.output_bytes / GB:.0f}", (f"{d['journal: packed blocks'] / GB:.0f} + "
                      f"{d['journal: activations (2 files while replaced)'] / GB:.1f}"),
                      f"{fp32.disk_peak / GB:.0f}"])
@@ -79,7 +80,7 @@ def main() -> int:
     head = ["model", "block params", "one block (fp32)", "embeddings (fp32)", "activations T·h·4", "Hessian + solve",
             "peak RAM, fp32 compute", "peak RAM, bf16 compute", "output", "journal (blocks + activations)",
             "disk at peak"]
-    print(f"Predicted by `optq quantize --dry-run` (optq.pipeline.planning.plan) at {args.nsamples} x {args.seqlen} "
+    print(f"Predicted by `optq quantize --dry-run` (optq.pipeline.planning.predict) at {args.nsamples} x {args.seqlen} "
           "calibration tokens, bf16 source, 4-bit g128, strategy replay; GB = 1e9 bytes.\n")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join(["---"] * len(head)) + "|")

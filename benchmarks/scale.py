@@ -164,7 +164,7 @@ def tensors_identical(a: Path, b: Path) -> dict:
 def predicted(source: Path, nsamples: int, seqlen: int, shard: str) -> dict:
     sys.path.insert(0, str(ROOT))
     import optq
-    from optq.pipeline.planning.plan import plan
+    from optq.pipeline.planning import plan
 
     p = plan(source, nsamples=nsamples, seqlen=seqlen, config=optq.QuantConfig(), max_shard_size=shard)
     return {"peak_ram": p.peak_ram, "capture": p.capture, "ram": p.ram, "assembly": p.assembly, "output": p.output_bytes,

@@ -8,7 +8,7 @@ Per decoder block, with T calibration tokens shared by N ranks (optq.pipeline.di
             + gathering the stage's solutions                (N-1)/N x 5 bytes per weight / gather bandwidth
 
 FLOPs, the stages and the solve work units (K^3 / group size + rows x K^2 per linear) come from
-the dry-run plan (optq.pipeline.planning.plan) of each model's config; the rates below are ASSUMED for
+the dry-run plan (optq.pipeline.planning.runplan) of each model's config; the rates below are ASSUMED for
 one H100/H200-class GPU, not measured (no GPU was lent to the session that wrote this): bf16
 forwards at 300 TFLOP/s, float32 Hessian products at 50 TFLOP/s, a solve unit at 5e-13 s (this
 CPU's measured 9.8e-12 s, 20 times faster), NCCL ring all-reduce at 150 GB/s, and 2 GB/s for
@@ -72,7 +72,7 @@ def block_time(listing: list[dict], n: int, fwd_hess: float) -> dict[str, float]
 
 def main() -> None:
     import optq
-    from optq.pipeline.planning.plan import plan
+    from optq.pipeline.planning import plan
     from plan_table import MODELS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,7 +83,7 @@ def main() -> None:
     config = optq.QuantConfig(bits=4, group_size=128)
     results = {}
     print(f"{args.nsamples} x {args.seqlen} calibration tokens, 4-bit g128; assumed rates {RATES}")
-    print(f"| model | N=1 | N=2 | N=4 | N=8 | parallel fraction at N=1 | anchor |\n|---|---|---|---|---|---|---|")
+    print("| model | N=1 | N=2 | N=4 | N=8 | parallel fraction at N=1 | anchor |\n|---|---|---|---|---|---|---|")
     for name in ("Llama-3-8B", "Llama-3-70B", "DeepSeek-V3 (671B MoE)"):
         p = plan(MODELS[name], nsamples=args.nsamples, seqlen=args.seqlen, config=config,
                  speed={"flops": 1.0, "solve_unit": 1.0})

@@ -120,7 +120,7 @@ LEGEND = ("fp = the model as released, in floating point (no quantization); rtn 
 
 def _estimate(model: Any, args: argparse.Namespace, corpora: int, variants: int, config: Any) -> str:
     """A rough time estimate for this machine, from a short matmul measurement."""
-    from optq.pipeline.planning.plan import machine_speed, plan
+    from optq.pipeline.planning import machine_speed, plan
 
     try:
         speed = machine_speed()

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import CliError, check_text_source
 
-__all__ = ["register", "run", "config_from_args"]
+__all__ = ["register", "run", "config_from_args", "settings_from_args"]
 
 DEFAULT_CALIB = "enwiki"
 BITS = (2, 3, 4, 8)  # the code widths the checkpoint formats pack
@@ -184,6 +184,24 @@ def check_output(out: Path, overwrite: bool) -> None:
     os.rmdir(probe)
 
 
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The RunSettings the flags describe, one flag per field (a user error becomes a CliError)."""
+    from optq.pipeline.settings import RunSettings
+
+    try:
+        return RunSettings(
+            nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size,
+            method=args.method, propagate=args.propagate, strategy=args.strategy, include=args.include,
+            exclude=args.exclude, device=args.device, compute_dtype=args.compute_dtype,
+            hessian_dtype=args.hessian_dtype, moe_calibration=args.moe_calibration,
+            moe_min_tokens=args.moe_min_tokens, moe_weighting=args.moe_weighting,
+            max_hessian_memory=args.max_hessian_memory, format=args.format, max_shard_size=args.max_shard_size,
+            offload_activations=args.offload_activations,
+        )
+    except ValueError as exc:
+        raise CliError(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}" if "=" in str(exc) else str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit code."""
     out = Path(args.output)
@@ -194,42 +212,29 @@ def run(args: argparse.Namespace) -> int:
 
     for source in split_sources(args.calib):
         check_text_source(source)
-    import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from optq.formats.files import parse_size
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
+    from optq.pipeline.distributed.ranks import init_from_env
     from optq.pipeline.stream.quantize import quantize_pretrained
 
-    try:
-        parse_size(args.max_shard_size)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
     t0 = time.perf_counter()
-    folder = _model_folder(args.model)
-    hf_config = AutoConfig.from_pretrained(str(folder))
-    try:  # before the calibration text is read and tokenized
-        check_seqlen(args.seqlen, max_positions(hf_config))
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
     if args.dry_run:
-        return _dry_run(folder, args, config)
-    from optq.pipeline.distributed.ranks import init_from_env
-
+        settings = settings_from_args(args)
+        folder = _model_folder(args.model)
+        _check_seqlen(args, AutoConfig.from_pretrained(str(folder)), check_seqlen, max_positions)
+        return _dry_run(folder, config, settings)
     # Under torchrun (WORLD_SIZE > 1): one process group, gloo on CPU, NCCL and cuda:LOCAL_RANK on GPUs.
     dist, args.device = init_from_env(args.device)
+    settings = settings_from_args(args)
+    folder = _model_folder(args.model)
+    _check_seqlen(args, AutoConfig.from_pretrained(str(folder)), check_seqlen, max_positions)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokens = _calibration_tokens(args.calib, tokenizer, args)
     load_s = time.perf_counter() - t0
-    report = quantize_pretrained(
-        folder, out, tokens, config, format=args.format, max_shard_size=args.max_shard_size,
-        compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
-        device=args.device, propagate=args.propagate, nsamples=args.nsamples, seqlen=args.seqlen,
-        seed=args.seed, include=args.include, exclude=args.exclude, batch_size=args.batch_size,
-        method=args.method, strategy=args.strategy, resume=args.resume, overwrite=args.overwrite,
-        offload_activations=args.offload_activations, **moe_options(args),
-        progress=not args.no_progress, provenance={"model": args.model, "calib": args.calib},
-    )
+    report = quantize_pretrained(folder, out, tokens, config, settings=settings, resume=args.resume,
+                                 overwrite=args.overwrite, progress=not args.no_progress,
+                                 provenance={"model": args.model, "calib": args.calib})
     if dist.rank != 0:  # rank 0 speaks for the run
         return 0
     print(summary(report))
@@ -237,39 +242,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def moe_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The mixture-of-experts and Hessian options of a run, from the command line."""
-    from optq.formats.files import parse_size
-
-    try:
-        budget = parse_size(args.max_hessian_memory) if args.max_hessian_memory else None
+def _check_seqlen(args: argparse.Namespace, hf_config: Any, check: Any, positions: Any) -> None:
+    try:  # before the calibration text is read and tokenized
+        check(args.seqlen, positions(hf_config))
     except ValueError as exc:
-        raise CliError(f"--max-hessian-memory: {exc}") from None
-    if args.moe_min_tokens is not None and args.moe_min_tokens < 0:
-        raise CliError("--moe-min-tokens must be 0 or more")
-    return {"moe_calibration": args.moe_calibration, "moe_min_tokens": args.moe_min_tokens,
-            "moe_weighting": args.moe_weighting, "max_hessian_memory": budget,
-            "hessian_dtype": args.hessian_dtype}
+        raise CliError(str(exc)) from None
 
 
-def _dry_run(folder: Path, args: argparse.Namespace, config: Any) -> int:
-    import torch
-
-    from optq.pipeline.planning.plan import plan
-    from optq.pipeline.stream.source import SafetensorsSource
+def _dry_run(folder: Path, config: Any, settings: Any) -> int:
+    from optq.pipeline.planning import plan
 
     try:
-        # As a run would: float32 on CPU unless asked, the source dtype on CUDA.
-        if args.compute_dtype:
-            dtype = getattr(torch, args.compute_dtype)
-        else:
-            dtype = SafetensorsSource(folder).dtype if str(args.device).startswith("cuda") else torch.float32
-        the_plan = plan(folder, nsamples=args.nsamples, seqlen=args.seqlen, config=config,
-                        batch_size=args.batch_size, propagate=args.propagate, strategy=args.strategy,
-                        include=args.include, exclude=args.exclude, format=args.format,
-                        max_shard_size=args.max_shard_size, method=args.method, compute_dtype=dtype,
-                        moe_calibration=args.moe_calibration,
-                        max_hessian_memory=moe_options(args)["max_hessian_memory"])
+        the_plan = plan(folder, config, settings)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     print(the_plan.format())

@@ -51,4 +51,4 @@ def obq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
         # Deleted coordinates keep a unit diagonal so later divisions stay finite (masked anyway).
         Hinv[r, q, q] = 1.0
     perm = torch.arange(cols, device=W.device)
-    return _solution(W, H, codes, scales, zeros, g_idx, perm, damp_used, config)
+    return _solution(W, H, (codes, scales, zeros, g_idx, perm), damp_used, config)

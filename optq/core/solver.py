@@ -159,14 +159,15 @@ _SUB_BLOCK = 16  # columns per inner lazy sub-block (rank-one updates stay insid
 
 
 def _current(
-    Wt: torch.Tensor, U: torch.Tensor, Err: torch.Tensor, pos: int, end: int, i1: int, i2: int, j1: int, j2: int
+    Wt: torch.Tensor, U: torch.Tensor, Err: torch.Tensor, cols: tuple[int, int], blocks: tuple[int, int, int, int]
 ) -> torch.Tensor:
-    """Columns [pos, end) of the weight as they stand after every error pushed so far.
+    """Columns ``cols`` = [pos, end) of the weight as they stand after every error pushed so far.
 
-    Inside the current sub-block [j1, j2) the rank-one updates are applied eagerly; the rest of
-    the block [j2, i2) still lacks this sub-block's errors Err[j1:pos]; columns past the block
-    lack all of the block's errors Err[i1:pos].
+    ``blocks`` = (i1, i2, j1, j2): inside the current sub-block [j1, j2) the rank-one updates are
+    applied eagerly; the rest of the block [j2, i2) still lacks this sub-block's errors
+    Err[j1:pos]; columns past the block lack all of the block's errors Err[i1:pos].
     """
+    (pos, end), (i1, i2, j1, j2) = cols, blocks
     parts = [Wt[pos : min(end, j2)]]
     if end > j2:
         hi = min(end, i2)
@@ -245,7 +246,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
                 for pos in range(j1, j2):
                     g = group_of_pos[pos]
                     if pos in fit_at:
-                        part = _current(Wt, U, Err, pos, min(pos + gs, cols), i1, i2, j1, j2)
+                        part = _current(Wt, U, Err, (pos, min(pos + gs, cols)), (i1, i2, j1, j2))
                         scales[g], zeros[g] = grid.fit(part.T, config)
                     s, z = scales[g], zeros[g]
                     w = Wt[pos]
@@ -301,16 +302,12 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
 
 
 def _solution(
-    W: torch.Tensor,
-    H: torch.Tensor | None,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    g_idx: torch.Tensor,
-    perm: torch.Tensor,
-    damp: float | None,
+    W: torch.Tensor, H: torch.Tensor | None, grid_parts: tuple[torch.Tensor, ...], damp: float | None,
     config: QuantConfig,
 ) -> Solution:
+    """The Solution of ``W`` from ``grid_parts`` = (codes, scales, zeros, g_idx, perm), with its
+    loss on ``H`` (None: round-to-nearest, no loss) and the damping used."""
+    codes, scales, zeros, g_idx, perm = grid_parts
     sol = Solution(
         weight=W,  # placeholder, replaced just below
         codes=codes.to(torch.uint8),
@@ -338,4 +335,4 @@ def rtn(W: torch.Tensor, config: QuantConfig) -> Solution:
     g_idx = grid.group_index(cols, config.group_size, W.device)
     codes = grid.quantize(Wf, scales[:, g_idx], zeros[:, g_idx], config.maxq)
     perm = torch.arange(cols, device=W.device)
-    return _solution(W, None, codes, scales, zeros, g_idx, perm, None, config)
+    return _solution(W, None, (codes, scales, zeros, g_idx, perm), None, config)

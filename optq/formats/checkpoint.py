@@ -42,16 +42,16 @@ from optq.formats.files import (
 from optq.formats.gptq_config import (
     CheckpointError,
     check_gptq_config,
-    gptq_config,
     quantized_layers,
 )
+from optq.formats.layout import Scheme, quantization_config
 from optq.formats.packing import FORMATS
 from optq.formats.qlinear import QuantLinear
 
 if TYPE_CHECKING:
     from optq.core.solver import Solution
 
-__all__ = ["save", "load", "CheckpointError", "quantized_layers", "gptq_config", "layer_namer"]
+__all__ = ["save", "load", "CheckpointError", "quantized_layers", "layer_namer"]
 
 log = logging.getLogger("optq.checkpoint")
 SAVE_FORMATS = (*FORMATS, "compressed-tensors")
@@ -140,10 +140,13 @@ def save(
     unfuse_experts(model)
     names = checkpoint_namer(model)
     layers = quantized_layers(model, solutions, format)
+    scheme = Scheme.of_layers(layers)
     if format == "compressed-tensors":
-        qconfig, tensors = checkpoint_ct.export(model, layers, names=layer_namer(names))
+        qconfig = quantization_config(scheme, format, checkpoint_ct.ignored(model, layers, layer_namer(names)))
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        tensors = {n: checkpoint_ct.export_layer(n, q, sym=scheme.sym, dtype=dtype) for n, q in layers.items()}
     else:
-        qconfig = gptq_config(layers, format)
+        qconfig = quantization_config(scheme, format)
         tensors = {n: q.state_dict() for n, q in layers.items()}
     state = _state_dict(model, tensors, names)
     config = model.config.to_dict()

@@ -18,30 +18,16 @@ import torch
 from torch import nn
 
 from optq.formats.experts import is_router
-from optq.formats.gptq_config import CheckpointError, gptq_config
+from optq.formats.gptq_config import CheckpointError
 from optq.formats.linears import is_linear
 from optq.formats.packing import pack
 from optq.formats.qlinear import QuantLinear
 
-__all__ = ["export", "export_layer", "check_exportable", "describe", "ignored", "plan_load"]
+__all__ = ["export_layer", "check_exportable", "describe", "ignored", "plan_load"]
 
 
 def _words(count: int, bits: int) -> int:
     return math.ceil(count * bits / 32)
-
-
-def export(
-    model: nn.Module, layers: Mapping[str, QuantLinear], *, names: Callable[[str], str] | None = None
-) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """(quantization_config, {layer name: tensors}) for the pack-quantized format.
-
-    ``names`` maps a module name of ``model`` to the checkpoint's (for the ``ignore`` list;
-    ``optq.formats.checkpoint.layer_namer``); the tensors stay keyed by the model's names."""
-    base = gptq_config(layers, "gptq_v2")
-    check_exportable(base)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    tensors = {name: export_layer(name, q, sym=base["sym"], dtype=dtype) for name, q in layers.items()}
-    return describe(base, ignored(model, layers, names)), tensors
 
 
 def ignored(model: nn.Module, quantized: Container[str], names: Callable[[str], str] | None = None) -> list[str]:

@@ -112,10 +112,8 @@ class ExpertLinears(nn.ModuleList):
     transformers' fused experts (``act(gate(x)) * up(x)``, then ``down``, scaled by the routing
     weight and summed per token, experts in increasing order).
 
-    ``calibrate_all``: experts that, in this forward, run every token rather than only their
-    routed ones, and keep the routed rows of the result. Set by the pipeline during Hessian
-    passes only (``--moe-calibration all`` and the fallback for starved experts): the linears
-    then see all tokens, while the block's output still follows the true routing.
+    The module holds weights only: the pipeline's Hessian passes swap in a forward of their own
+    (``optq.pipeline.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
     """
 
     def __init__(self, layout: ExpertsLayout, act_fn: nn.Module, num_experts: int, hidden: int, inter: int,
@@ -132,10 +130,6 @@ class ExpertLinears(nn.ModuleList):
         # Not a child module: a ModuleList's children are its members (len, iteration, indexing).
         self.__dict__["act_fn"] = act_fn
         self.num_experts = num_experts
-        self.calibrate_all: frozenset[int] = frozenset()
-        # The routing weight of each token in the current call of an expert (None when it runs
-        # every token): the pipeline reads it to weigh Hessians by routing (moe_weighting).
-        self.routing_weight: torch.Tensor | None = None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` applied to the tokens ``x`` (without the routing weight)."""
@@ -143,25 +137,30 @@ class ExpertLinears(nn.ModuleList):
         gate, up = (getattr(ex, leaf)(x) for leaf in self.layout.gate_up)
         return getattr(ex, self.layout.down)(self.act_fn(gate) * up)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
+    def routes(self, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor] | None]:
+        """Per expert ``e``: ``(e, tokens, weights)``, the indices of the tokens routed to it and
+        their routing weights as a column, or None when no token is routed to it."""
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0)[: self.num_experts].tolist()
+        out: list[tuple[int, torch.Tensor, torch.Tensor] | None] = []
         for e in range(self.num_experts):
-            if not hit[e] and e not in self.calibrate_all:
+            if not hit[e]:
+                out.append(None)
                 continue
             pos, idx = torch.where(mask[e])
-            w = top_k_weights[idx, pos, None]
-            if e in self.calibrate_all:
-                self.routing_weight = None
-                y = self.expert(e, hidden_states)[idx]
-            else:
-                self.routing_weight = w[:, 0]
-                y = self.expert(e, hidden_states[idx])
-            self.routing_weight = None
-            y = y * w
+            out.append((e, idx, top_k_weights[idx, pos, None]))
+        return out
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for route in self.routes(top_k_index, top_k_weights):
+            if route is None:
+                continue
+            e, idx, w = route
+            y = self.expert(e, hidden_states[idx]) * w
             out.index_add_(0, idx, y.to(out.dtype))
         return out
 

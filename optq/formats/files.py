@@ -39,13 +39,15 @@ SAFETENSORS_DTYPES = {"I32": torch.int32, "I64": torch.int64, "I16": torch.int16
            "F64": torch.float64, "BOOL": torch.bool}
 
 
-def parse_size(size: int | str) -> int:
-    """``"2GB"`` / ``"500MiB"`` / an int of bytes -> bytes."""
-    if isinstance(size, int):
+def parse_size(size: int | str, what: str = "max_shard_size") -> int:
+    """``"2GB"`` / ``"500MiB"`` / a positive int of bytes -> bytes; ``what`` names the setting in errors."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"{what}={size!r} must be a positive number of bytes")
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. '2GB', '500MB' or bytes")
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{what}={size!r} is not a size; write e.g. '2GB', '500MB' or bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 

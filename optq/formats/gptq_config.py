@@ -18,7 +18,7 @@ from optq.formats.qlinear import QuantLinear
 if TYPE_CHECKING:
     from optq.core.solver import Solution
 
-__all__ = ["CheckpointError", "quantized_layers", "gptq_config", "describe_gptq", "is_natural", "check_gptq_config"]
+__all__ = ["CheckpointError", "quantized_layers", "describe_gptq", "is_natural", "check_gptq_config"]
 
 
 def quantized_layers(
@@ -44,12 +44,6 @@ def quantized_layers(
             "the model has no quantized layers: pass solutions={name: Solution} (the pipeline "
             "report's) or replace its linears with optq.formats.qlinear.replace_linears first"
         )
-    settings = {(q.bits, q.group_size) for q in layers.values()}
-    if len(settings) > 1:
-        raise CheckpointError(
-            f"layers use different (bits, group_size) settings {sorted(settings)}; the format "
-            "stores one setting per model"
-        )
     return layers
 
 
@@ -67,29 +61,10 @@ def _convert(name: str, layer: QuantLinear, fmt: str) -> QuantLinear:
     return out
 
 
-def gptq_config(layers: Mapping[str, QuantLinear], checkpoint_format: str) -> dict[str, Any]:
-    """The ``quantization_config`` object the spec describes, inferred from the layers."""
-    first = next(iter(layers.values()))
-    configs = [q.quant_config for q in layers.values() if q.quant_config is not None]
-    half = 1 << (first.bits - 1)
-    sym = all(c.sym for c in configs) if configs else all(
-        bool((q.zeros() == half).all()) for q in layers.values())
-    natural = all(is_natural(q) for q in layers.values())
-    return describe_gptq(
-        bits=first.bits,
-        group_size=first.group_size,
-        sym=sym,
-        natural=natural,
-        static_groups=any(c.static_groups for c in configs),
-        damp=configs[0].damp if configs else 0.01,
-        checkpoint_format=checkpoint_format,
-        lm_head=any(n == "lm_head" or n.endswith(".lm_head") for n in layers),
-    )
-
-
 def describe_gptq(*, bits: int, group_size: int, sym: bool, natural: bool, static_groups: bool, damp: float,
                   checkpoint_format: str, lm_head: bool = False) -> dict[str, Any]:
-    """The ``quantization_config`` of a GPTQ checkpoint with these settings.
+    """The GPTQ ``quantization_config`` with these settings (``optq.formats.layout.quantization_config``
+    builds every checkpoint's from a ``Scheme`` through this).
 
     ``natural``: every layer's g_idx is k // group_size. desc_act tells loaders to reorder by
     g_idx; act-order with static groups keeps g_idx natural, so such a file is written as plain

@@ -162,19 +162,19 @@ def test_a_full_disk_at_the_end_is_one_line_and_keeps_the_run_resumable(model_di
 
 
 def test_overwrite_interrupted_keeps_the_old_folder(model_dir, tmp_path, monkeypatch):
-    from optq.pipeline.stream import quantize as stream
+    from optq.pipeline.stream import assemble
 
     out = tmp_path / "q"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    real = stream.write_json
+    real = assemble.write_json
 
     def write_json(path, obj):
         if path.name == "quantization_report.json":  # the last file of the checkpoint
             raise KeyboardInterrupt
         return real(path, obj)
 
-    monkeypatch.setattr(stream, "write_json", write_json)
+    monkeypatch.setattr(assemble, "write_json", write_json)
     assert main(_quantize(model_dir, out, "--overwrite")) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.partial"]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -70,7 +70,7 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
 @pytest.mark.parametrize("where", ["solver", "writing"])
 def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch, where):
     from optq.core import solver
-    from optq.pipeline.stream import quantize as stream
+    from optq.pipeline.stream import assemble
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -78,8 +78,8 @@ def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch
     if where == "solver":  # Ctrl-C in the middle of the block loop
         monkeypatch.setattr(solver, "gptq", interrupted)
     else:  # Ctrl-C at the checkpoint's last file, just before the folder gets its name
-        real = stream.write_json
-        monkeypatch.setattr(stream, "write_json", lambda path, obj: interrupted()
+        real = assemble.write_json
+        monkeypatch.setattr(assemble, "write_json", lambda path, obj: interrupted()
                             if path.name == "quantization_report.json" else real(path, obj))
     out = tmp_path / "q"
     assert main(_args(model_dir, out)) == 130

@@ -212,7 +212,7 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     import argparse
 
     from optq.cli import demo
-    from optq.pipeline.planning import plan
+    from optq.pipeline import planning as plan
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)

@@ -45,14 +45,14 @@ def _run(arch: str, hessian_dtype: str, fail: bool = False):
     if fail and dist.get_rank() == 1:
         import optq.pipeline.blocks.groups as solve
 
-        real = solve.solve_subset
+        real = solve.solve_group
 
-        def broken(linears, subset, *a, **k):
-            if "mlp" in subset[0]:
+        def broken(work, unit, *a, **k):
+            if "mlp" in unit.subset[0]:
                 raise RuntimeError("injected failure on rank 1")
-            return real(linears, subset, *a, **k)
+            return real(work, unit, *a, **k)
 
-        solve.solve_subset = broken
+        solve.solve_group = broken
     report = optq.quantize(model, _ids(), CFG, **kw)
     return model, report
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import optq
+from optq.pipeline.blocks import loop
 from optq.pipeline.stream import quantize as stream
 
 transformers = pytest.importorskip("transformers")
@@ -24,13 +25,13 @@ def test_offloaded_activations_are_file_backed_and_give_the_same_bytes(source, t
     calib = tokens(n=6, seqlen=16)
     stream.quantize_pretrained(source, tmp_path / "ram", calib, CFG, progress=False)
     seen = []
-    real = stream.quantize_block
+    real = loop.quantize_block
 
-    def spy(prefix, block, hidden, *args, **kwargs):
-        seen.append({h.untyped_storage().filename for h in hidden})
-        return real(prefix, block, hidden, *args, **kwargs)
+    def spy(run, prefix, block, inputs, *args, **kwargs):
+        seen.append({h.untyped_storage().filename for h in inputs[0]})
+        return real(run, prefix, block, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(stream, "quantize_block", spy)
+    monkeypatch.setattr(loop, "quantize_block", spy)
     stream.quantize_pretrained(source, tmp_path / "disk", calib, CFG, progress=False, offload_activations=True)
     mapped = str(tmp_path / "disk.partial" / "activations.mmap")
     assert seen and all(files == {mapped} for files in seen)  # every block's inputs, one file

@@ -14,8 +14,8 @@ from tiny import build, tokens
 
 import optq
 from optq.formats.linears import find_linears
-from optq.pipeline.planning import plan as plan_mod
-from optq.pipeline.planning.plan import RUNTIME_BYTES, plan
+from optq.pipeline import planning as plan_mod
+from optq.pipeline.planning import RUNTIME_BYTES, plan
 from optq.pipeline.stream.source import SafetensorsSource
 from optq.pipeline.stream.quantize import quantize_pretrained
 
@@ -55,11 +55,24 @@ def test_terms_equal_hand_computation(folder):
     # Untied head: not loaded during the blocks; the embeddings and final norm are, in float32.
     assert cfg["tie_word_embeddings"] is False
     assert p.capture["embeddings (+ norm)"] == (vocab * h + h) * 4
-    # The largest solve: gate+up (rows 2i, K=h) or down (rows h, K=i), with its Hessian.
-    solve = max((K * K + 5 * R * K + 4 * K * K) * 4 for R, K in [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)])
-    assert p.ram["hessian + solve"] == solve
+    # The largest solve: gate+up (rows 2i, K=h) or down (rows h, K=i), with its Hessians (the
+    # solver's on normalised tokens and the plain one, float32).
+    hessians, solve = max(((2 * K * K * 4, (5 * R * K + 4 * K * K) * 4)
+                           for R, K in [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]), key=sum)
+    assert (p.ram["hessians"], p.ram["solve workspace"]) == (hessians, solve)
     assert p.peak_ram == max(sum(p.capture.values()), sum(p.ram.values()), sum(p.assembly.values()))
     assert p.disk["journal: activations (2 files while replaced)"] == 2 * T * h * 4
+
+
+def test_hessian_dtype_doubles_the_predicted_hessian_memory(folder):
+    # The plan gets the run's own settings: float64 Hessians take twice the bytes, the rest stays.
+    single = _plan(folder, nsamples=6, seqlen=16)
+    double = _plan(folder, nsamples=6, seqlen=16, hessian_dtype="float64")
+    assert double.ram["hessians"] == 2 * single.ram["hessians"] > 0
+    assert double.ram["solve workspace"] == single.ram["solve workspace"]
+    assert double.settings["hessian_dtype"] == "float64" and single.settings["hessian_dtype"] == "float32"
+    rest = {k: v for k, v in single.ram.items() if k != "hessians"}
+    assert rest == {k: v for k, v in double.ram.items() if k != "hessians"}
 
 
 def test_strategy_propagate_dtype_terms(folder):

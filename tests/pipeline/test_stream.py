@@ -17,7 +17,7 @@ import optq
 from optq.formats.files import INDEX, read_index
 from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear
-from optq.pipeline.stream import quantize as stream_mod
+from optq.pipeline.stream import assemble as assemble_mod
 from optq.pipeline.blocks.discovery import find_blocks
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.source import SafetensorsSource, SourceError
@@ -129,7 +129,7 @@ def test_each_block_is_read_once_after_the_previous_block_is_written(kit, tmp_pa
 
     orig_skeleton, orig_read = SafetensorsSource.skeleton, SafetensorsSource.read
     orig_write, orig_commit = Journal.write_block, Journal.commit
-    orig_assemble = stream_mod.write_safetensors_lazily
+    orig_assemble = assemble_mod.write_safetensors_lazily
 
     def skeleton(self, *a, **k):
         holder["source"], holder["model"] = self, orig_skeleton(self, *a, **k)
@@ -163,7 +163,7 @@ def test_each_block_is_read_once_after_the_previous_block_is_written(kit, tmp_pa
     monkeypatch.setattr(SafetensorsSource, "read", read)
     monkeypatch.setattr(Journal, "write_block", write_block)
     monkeypatch.setattr(Journal, "commit", commit)
-    monkeypatch.setattr(stream_mod, "write_safetensors_lazily", assemble)
+    monkeypatch.setattr(assemble_mod, "write_safetensors_lazily", assemble)
     kit.stream(src, tmp_path / "out")
 
     at = {e: n for n, e in enumerate(events)}  # an event's (last) position

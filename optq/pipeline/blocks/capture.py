@@ -22,7 +22,7 @@ from torch import nn
 from optq.core.hessian import Hessian
 from optq.pipeline.blocks.hessians import LayerHessians
 
-__all__ = ["Call", "Plan", "capture_inputs", "run_block", "discover_subsets", "collect_hessian"]
+__all__ = ["Call", "Schedule", "capture_inputs", "run_block", "discover_subsets", "collect_hessian"]
 
 
 class _Stop(Exception):
@@ -155,7 +155,7 @@ def _input_key(x: torch.Tensor) -> tuple:
 
 
 @dataclass
-class Plan:
+class Schedule:
     """How one block's linears are quantized, learned from forwards of its calibration batches.
 
     ``subsets``: target names grouped by shared input, in the order that input is first used
@@ -175,9 +175,9 @@ class Plan:
 def discover_subsets(
     block: nn.Module, linears: dict[str, nn.Module], targets: Sequence[str], hidden: torch.Tensor | Sequence[torch.Tensor],
     call: Call | Sequence[Call], known: Sequence[str] = (),
-) -> Plan:
+) -> Schedule:
     """Run the block on its first batch and group ``targets`` by the input tensor they share (see
-    ``Plan``). Targets the first batch does not call (experts it routes no token to) are looked for
+    ``Schedule``). Targets the first batch does not call (experts it routes no token to) are looked for
     in the next batches, one forward each, until every target outside ``known`` (linears whose
     grouping the caller knows without seeing them called) is found or the batches run out; so
     the plan depends on which targets the calibration data reaches, not on the batches' order.
@@ -214,7 +214,7 @@ def discover_subsets(
             break
     unused = [n for n in targets if n not in calls_of]
     repeated = [n for n in targets if calls_of.get(n, 0) > 1]
-    return Plan(subsets, order, unused, repeated, forwards)
+    return Schedule(subsets, order, unused, repeated, forwards)
 
 
 def _one_forward(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.Tensor,

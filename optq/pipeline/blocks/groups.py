@@ -1,38 +1,36 @@
 """Solving one group of linears that share a Hessian, and spreading groups over ranks.
 
-``solve_subset`` stacks the group's rows (GPTQ treats rows independently and they share H: one
+``solve_group`` stacks the group's rows (GPTQ treats rows independently and they share H: one
 stacked solve equals separate solves, with one factorisation), writes the quantized weights back
 and fills the report. ``solve_units`` does that for a stage's groups; under torch.distributed
-each rank solves the linears :mod:`optq.pipeline.distributed.ranks` assigns it, and every rank then takes
-the others' solutions, so all ranks continue with the same block.
+each rank solves the linears :mod:`optq.pipeline.distributed.ranks` assigns it, and every rank
+then takes the others' solutions, so all ranks continue with the same block.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from optq.core import solver
-from optq.core.config import QuantConfig
 from optq.formats.linears import get_weight, set_weight
-from optq.pipeline.distributed.ranks import Dist
-from optq.pipeline.report import LayerReport, Report
+from optq.pipeline.report import LayerReport
 
-__all__ = ["solve_subset", "solve_units"]
+if TYPE_CHECKING:
+    from optq.pipeline.blocks.work import BlockWork, SolveUnit
+
+__all__ = ["solve_group", "solve_units"]
 
 log = logging.getLogger("optq.pipeline")
 
 
-def solve_units(units: Sequence[tuple[list[str], Any, str, float]], first: int, linears: dict[str, nn.Module],
-                config: QuantConfig, report: Report, dist: Dist,
-                after: Callable[[list[str]], None] | None = None) -> None:
-    """Solve each unit ``(subset, hessian, method, t0)``; unit ``u`` is the block's group
-    number ``first + u``. ``after(subset)`` runs on every rank once a subset's weights are in.
+def solve_units(work: BlockWork, units: Sequence[SolveUnit], first: int) -> None:
+    """Solve each unit of ``work``'s block; unit ``u`` is the block's group number ``first + u``.
+    The progress bar's postfix follows each subset once its weights are in, on every rank.
 
     With one process every unit is solved here, in order. Under torch.distributed each linear
     (its rows) is a work item, costed K³ / (members of its group) + rows x K², assigned by
@@ -40,49 +38,51 @@ def solve_units(units: Sequence[tuple[list[str], Any, str, float]], first: int, 
     which is the same on every rank after the all-reduce), then the solutions and report rows
     are gathered and applied everywhere, in the single-process order.
     """
+    dist, report = work.run.dist, work.report
     if not dist.active:
-        for u, (subset, hess, method, t0) in enumerate(units):
+        for u, unit in enumerate(units):
             started = time.perf_counter()
-            solve_subset(linears, subset, first + u, hess, config, method, report, t0)
+            solve_group(work, unit, first + u)
             dist.seconds["solve"] += time.perf_counter() - started
-            if after is not None:
-                after(subset)
+            _after(work, unit.subset)
         return
-    items = [(u, name) for u, (subset, *_rest) in enumerate(units) for name in subset]
+    items = [(u, name) for u, unit in enumerate(units) for name in unit.subset]
 
     def cost(u: int, name: str) -> float:
-        N, K = get_weight(linears[name]).shape
-        return float(K) ** 3 / len(units[u][0]) + float(N) * K * K
+        N, K = get_weight(work.linears[name]).shape
+        return float(K) ** 3 / len(units[u].subset) + float(N) * K * K
 
     owner = {n: r for (_, n), r in zip(items, dist.assign([cost(u, n) for u, n in items]))}
     mine = {n for n, r in owner.items() if r == dist.rank}
-    error = None
     started = time.perf_counter()
-    try:
-        for u, (subset, hess, method, t0) in enumerate(units):
-            part = [n for n in subset if n in mine]
+    with dist.failing_together():  # every rank reaches the check, or the others would hang
+        for u, unit in enumerate(units):
+            part = [n for n in unit.subset if n in mine]
             if part:
-                solve_subset(linears, part, first + u, hess, config, method, report, t0)
-    except Exception as exc:  # every rank must reach the check below, or the others would hang
-        error = exc
+                solve_group(work, unit, first + u, part)
     dist.seconds["solve"] += time.perf_counter() - started
-    dist.check(error)
     payload = {n: (report.layers.pop(n), _own(report.solutions.pop(n)), report.fallbacks.pop(n, None))
                for n in mine}
     gathered = dist.gather(payload)
-    for subset, *_rest in units:
-        for name in subset:
+    for unit in units:
+        for name in unit.subset:
             row, sol, fallback = gathered[name]
             if name not in mine:
-                set_weight(linears[name], sol.weight.to(get_weight(linears[name]).device))
+                set_weight(work.linears[name], sol.weight.to(get_weight(work.linears[name]).device))
             report.layers[name] = row
             report.solutions[name] = sol
             if fallback is not None:
                 report.fallbacks[name] = fallback
             report.solved_by[name] = owner[name]
-        if after is not None:
-            after(subset)
+        _after(work, unit.subset)
     torch.clear_autocast_cache()
+
+
+def _after(work: BlockWork, subset: Sequence[str]) -> None:
+    last = work.report.layers[subset[-1]]
+    short = ".".join(subset[-1].split(".")[-2:])
+    text = f"{short} obj/rtn={last.objective / last.rtn_objective:.3f}" if last.rtn_objective else short
+    work.bar.set_postfix_str(text, refresh=False)
 
 
 def _own(sol: solver.Solution) -> solver.Solution:
@@ -91,17 +91,13 @@ def _own(sol: solver.Solution) -> solver.Solution:
                            g_idx=sol.g_idx, perm=sol.perm, loss=sol.loss, damp=sol.damp, config=sol.config)
 
 
-def solve_subset(
-    linears: dict[str, nn.Module],
-    subset: list[str],
-    index: int,
-    hess: LayerHessians,
-    config: QuantConfig,
-    method: str,
-    report: Report,
-    t0: float,
-) -> None:
-    mods = [linears[n] for n in subset]
+def solve_group(work: BlockWork, unit: SolveUnit, index: int, members: Sequence[str] | None = None) -> None:
+    """Solve ``members`` of ``unit`` (default: all of its subset) stacked, on the unit's Hessian;
+    write their weights back and their rows into the report (``index``: the block's group
+    number, for the report)."""
+    subset = list(unit.subset if members is None else members)
+    hess, method, config, report = unit.hessian, unit.method, work.run.config, work.report
+    mods = [work.linears[n] for n in subset]
     weights = [get_weight(m) for m in mods]
     if hess.count == 0 and method != "rtn":
         raise RuntimeError(f"no calibration tokens reached {subset[0]}")
@@ -122,7 +118,7 @@ def solve_subset(
         log.warning("%s needed damping %.3g (asked %.3g)", ", ".join(subset), sol.damp, config.damp)
         for name in subset:
             report.fallbacks[name] = f"damping raised from {config.damp:g} to {sol.damp:g} to factorise H"
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - unit.started
     # Round-to-nearest is row-wise too: one call on the stacked rows serves every member.
     rtn_W = solver.rtn(W, config).weight if method == "gptq" else sol.weight
     objs = _row_objectives(W, sol.weight, H)

@@ -25,13 +25,14 @@ then a no-op.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -75,31 +76,27 @@ class Dist:
         lo = self.rank * base + min(self.rank, extra)
         return lo, lo + base + (1 if self.rank < extra else 0)
 
-    def reduce_hessian(self, hess: Any) -> None:
-        """Sum a ``LayerHessians`` over the ranks, in place (sums, token counts, token stats)."""
-        if not self.active or getattr(hess, "_reduced", False):
+    def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum each tensor over the ranks, in place."""
+        if not self.active:
             return
         import torch.distributed as dist
 
-        parts = [hess.main] + ([hess.plain] if hess.plain is not None else [])
-        counts = torch.tensor([h.count for h in parts], dtype=torch.int64, device=hess.main.sum.device)
-
         def reduce() -> None:
-            for h in parts:
-                dist.all_reduce(h.sum)
-            dist.all_reduce(counts)
+            for t in tensors:
+                dist.all_reduce(t)
 
         self._timed("all_reduce", reduce)
-        for h, c in zip(parts, counts.tolist()):
-            h.count = int(c)
-        # The token statistics keep one value per token: every rank gets all of them, in rank order.
-        energy = torch.cat(hess._energy) if hess._energy else torch.zeros(0)
-        positions = torch.cat(hess._position) if hess._position else None
+
+    def all_gather(self, value: Any, kind: str = "gather") -> list[Any]:
+        """Every rank's ``value``, in rank order (``[value]`` without a group)."""
+        if not self.active:
+            return [value]
+        import torch.distributed as dist
+
         gathered: list[Any] = [None] * self.world_size
-        self._timed("all_reduce", lambda: dist.all_gather_object(gathered, (energy, positions)))
-        hess._energy = [e for e, _ in gathered]  # type: ignore[misc]
-        hess._position = [p for _, p in gathered] if all(p is not None for _, p in gathered) else []  # type: ignore[misc]
-        hess._reduced = True
+        self._timed(kind, lambda: dist.all_gather_object(gathered, value))
+        return gathered
 
     # ----------------------------------------------------------------------- solves
     def assign(self, costs: Sequence[float]) -> list[int]:
@@ -116,12 +113,8 @@ class Dist:
         """Every rank's ``mine`` merged (keys are disjoint); ``mine`` itself without a group."""
         if not self.active:
             return mine
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self.world_size
-        self._timed("gather", lambda: dist.all_gather_object(gathered, mine))
         out: dict[str, Any] = {}
-        for part in gathered:
+        for part in self.all_gather(mine):
             out.update(part)
         return out
 
@@ -132,11 +125,8 @@ class Dist:
             if error is not None:
                 raise error
             return
-        import torch.distributed as dist
-
         msg = None if error is None else f"{type(error).__name__}: {error}"
-        gathered: list[Any] = [None] * self.world_size
-        self._timed("check", lambda: dist.all_gather_object(gathered, msg))
+        gathered = self.all_gather(msg, "check")
         failed = [(r, m) for r, m in enumerate(gathered) if m is not None]
         if failed:
             if error is not None:
@@ -144,15 +134,24 @@ class Dist:
             r, m = failed[0]
             raise DistributedError(f"rank {r} of {self.world_size} failed: {m}; every rank stops")
 
+    @contextlib.contextmanager
+    def failing_together(self) -> Iterator[None]:
+        """Run the body on every rank; an exception in it is raised on every rank (the others get
+        a DistributedError naming the failed rank) once all ranks have reached the end of it, so
+        no rank waits forever in a collective that a failed rank will never join."""
+        error = None
+        try:
+            yield
+        except Exception as exc:
+            error = exc
+        self.check(error)
+
     def same_everywhere(self, what: str, value: Any) -> None:
         """Refuse to run when ``value`` (arguments, settings) differs between ranks."""
         if not self.active:
             return
-        import torch.distributed as dist
-
         digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-        gathered: list[Any] = [None] * self.world_size
-        self._timed("check", lambda: dist.all_gather_object(gathered, digest))
+        gathered = self.all_gather(digest, "check")
         differ = [r for r, d in enumerate(gathered) if d != gathered[0]]
         if differ:
             raise DistributedError(f"{what} differ between ranks (rank 0 and rank(s) {differ}); start every "

@@ -1,0 +1,102 @@
+"""The streaming run's two sides of the block loop: blocks read from shards, results journaled.
+
+:class:`StreamedBlocks` is the loop's block source over a :class:`SafetensorsSource` (a block's
+tensors are read onto the compute device in the compute dtype, and released to the meta device
+once it is packed); :class:`JournalSink` packs each finished block's layers under the source
+checkpoint's names and commits them, with the next block's inputs, to the resume journal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.formats import compressed_tensors
+from optq.formats.checkpoint import layer_namer
+from optq.formats.gptq_config import is_natural
+from optq.formats.layout import storage_format
+from optq.formats.linears import find_linears
+from optq.formats.qlinear import QuantLinear
+from optq.pipeline.blocks.prepare import Run
+from optq.pipeline.report import LayerReport, Report
+from optq.pipeline.stream.journal import Journal
+from optq.pipeline.stream.source import SafetensorsSource
+
+__all__ = ["StreamedBlocks", "JournalSink", "restore"]
+
+
+class StreamedBlocks:
+    """Seam 1 for a model folder: block ``i``'s tensors read from the shards when it is loaded,
+    freed when it is released. ``resident``: blocks already loaded (block 0, by the capture)."""
+
+    def __init__(self, src: SafetensorsSource, run: Run, dtype: torch.dtype) -> None:
+        self.src, self.run, self.dtype = src, run, dtype
+        self.resident: set[int] = set()
+
+    def load(self, i: int, block: nn.Module) -> None:
+        if i not in self.resident:
+            self.src.load(block, self.run.block_name(i), self.run.device, self.dtype)
+        self.resident.discard(i)
+
+    def release(self, i: int, block: nn.Module) -> None:
+        self.src.release(block)
+
+
+class JournalSink:
+    """Packs each finished block (rank 0 alone writes) and commits it to ``journal``."""
+
+    def __init__(self, journal: Journal, run: Run, src: SafetensorsSource) -> None:
+        self.journal, self.run, self.src = journal, run, src
+        self.natural = (journal.state.get("report") or {}).get("natural", True)
+        self.module_name = layer_namer(src.names)  # packed tensors go under the checkpoint's names
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def pack(self, i: int, block: nn.Module, report: Report) -> None:
+        fmt = self.run.settings.format
+        self.packed = {}
+        for lname, module in find_linears(block, self.run.block_name(i)).items():
+            sol = report.solutions.pop(lname, None)
+            if sol is None or self.run.dist.rank != 0:  # rank 0 alone writes the journal
+                continue
+            layer = QuantLinear.from_solution(sol, module.bias, storage_format(fmt))
+            self.natural = self.natural and is_natural(layer)
+            if fmt == "compressed-tensors":
+                tensors = compressed_tensors.export_layer(lname, layer, sym=self.run.config.sym, dtype=self.src.dtype)
+            else:
+                tensors = layer.state_dict()
+            self.packed.update({f"{self.module_name(lname)}.{k}": v for k, v in tensors.items()})
+
+    def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
+        self.journal.write_block(i, self.packed)
+        self.packed = {}
+        last = i + 1 == len(self.run.blocks)
+        self.journal.commit(i + 1, None if last else hidden, {**snapshot(report), "natural": self.natural})
+
+
+def snapshot(report: Report) -> dict[str, Any]:
+    """The report so far, as the journal's state keeps it."""
+    return {
+        "layers": [dataclasses.asdict(r) for r in report.layers.values()],  # a list keeps the run's order
+        "block_seconds": report.block_seconds,
+        "skipped": report.skipped,
+        "fallbacks": report.fallbacks,
+        "moe": report.moe,
+    }
+
+
+def restore(report: Report, state: dict[str, Any] | None) -> None:
+    """Put a journal's report snapshot back into ``report`` (on resume)."""
+    if not state:
+        return
+    names = {f.name for f in dataclasses.fields(LayerReport)}
+    for row in state["layers"]:
+        row = {k: v for k, v in row.items() if k in names}
+        row["shape"] = tuple(row["shape"])
+        report.layers[row["name"]] = LayerReport(**row)
+    report.block_seconds.extend(state["block_seconds"])
+    report.skipped.update(state["skipped"])
+    report.fallbacks.update(state["fallbacks"])
+    report.moe.update(state.get("moe", {}))
