@@ -217,15 +217,26 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(cfg)
-    speed = {"flops": 1e6, "solve_unit": 1e-9}
+    # A machine of 1 FLOP/s and 1 s per solve unit: both terms run to hundreds of thousands of
+    # minutes, so the whole minutes the line prints resolve each term to 1e-5 of itself (at the
+    # real speed the tiny model's estimate is "about 0 min" whatever the terms are).
+    speed = {"flops": 1.0, "solve_unit": 1.0}
     monkeypatch.setattr(plan, "machine_speed", lambda: speed)
     args = argparse.Namespace(nsamples=4, seqlen=16, windows=3)
     config = optq.QuantConfig(bits=4, group_size=16)
-    quantize = sum(plan.plan(model.config, nsamples=4, seqlen=16, config=config, source_dtype=torch.float32,
-                             speed=speed).seconds.values())
-    evaluate = 3 * 2 * 3 * 16 * 2 * sum(p.numel() for p in model.parameters()) / 1e6
+    parts = plan.plan(model.config, nsamples=4, seqlen=16, config=config, source_dtype=torch.float32,
+                      speed=speed).seconds
+    assert parts["forwards"] > 0 and parts["solves"] > 0  # both rates enter the quantize term
+    quantize = sum(parts.values())
+    # 3 variants x 2 corpora x 3 windows x 16 tokens, 2 FLOPs per parameter per token.
+    evaluate = 3 * 2 * 3 * 16 * 2 * sum(p.numel() for p in model.parameters()) / speed["flops"]
     line = demo._estimate(model, args, corpora=2, variants=3, config=config)
-    assert line.startswith(f"estimated time on this machine: about {(quantize + evaluate) / 60:.0f} min"), line
+    match = re.match(r"estimated time on this machine: about (\d+) min ", line)
+    assert match, line
+    minutes = int(match[1])
+    assert abs(minutes - (quantize + evaluate) / 60) <= 0.5, (line, quantize / 60, evaluate / 60)
+    # Each term is thousands of minutes: without either one the line would be far off.
+    assert min(quantize, evaluate) / 60 > 1000
 
 
 def test_layers_appear_in_run_order_whatever_the_json_order(checkpoint, tmp_path):

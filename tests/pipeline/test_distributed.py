@@ -36,9 +36,11 @@ def _ids() -> torch.Tensor:
     return tokens(n=8, seqlen=16)
 
 
-def _run(arch: str, hessian_dtype: str, fail: bool = False):
+def _run(arch: str, hessian_dtype: str, fail: bool = False, device: str | None = None):
     model = _model(arch)
     kw = {"progress": False, "batch_size": 2, "hessian_dtype": hessian_dtype}
+    if device is not None:
+        kw["device"] = device
     if arch == "mixtral":
         kw["moe_calibration"] = "routed"
         kw["moe_min_tokens"] = 0
@@ -77,9 +79,9 @@ def _spawn(tmp_path: Path, arch: str, hessian_dtype: str = "float32", fail: bool
     return out
 
 
-def _single(arch: str, hessian_dtype: str):
+def _single(arch: str, hessian_dtype: str, device: str | None = None):
     torch.set_num_threads(1)
-    return _run(arch, hessian_dtype)
+    return _run(arch, hessian_dtype, device=device)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
@@ -217,28 +219,52 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="the NCCL path needs two CUDA GPUs")
 def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPUs are
+    """Two ranks on two GPUs (torchrun, NCCL) against one process on one GPU: the same run as
+    test_two_processes_equal_one (_run: batches of 2, so each rank's 4 samples are forwarded in
+    the same batches as the single process's; float64 Hessians, so the sums' order does not
+    reach the float32 solve), so every rank's weights equal the single process's byte for byte."""
     import subprocess
     import sys
     import textwrap
 
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "out"
+    out.mkdir()
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
-        import optq
+        import json, sys
+        from pathlib import Path
+        sys.path[:0] = [{str(here.parent.parent)!r}, {str(here.parent)!r}, {str(here)!r}]
+        import torch
         from optq.pipeline.distributed.ranks import init_from_env
-        from tiny import build, tokens
+        from test_distributed import _run
+        torch.set_num_threads(1)
         d, device = init_from_env("cuda")
-        model = build("llama")
-        optq.quantize(model, tokens(n=8), optq.QuantConfig(bits=3, group_size=16), device=device,
-                      hessian_dtype="float64", progress=False)
-        torch.save(model.state_dict(), f"{tmp_path}/w{{d.rank}}.pt")
+        model, report = _run("llama", "float64", device=device)
+        torch.save({{k: v.clone() for k, v in model.state_dict().items()}}, f"{out}/weights{{d.rank}}.pt")
+        Path(f"{out}/report{{d.rank}}.json").write_text(json.dumps(report.to_dict()))
     """))
     torchrun = Path(sys.executable).with_name("torchrun")
-    res = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(script)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    w0, w1 = torch.load(tmp_path / "w0.pt"), torch.load(tmp_path / "w1.pt")
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPTQ_DIST_TIMEOUT": "120"}
+    res = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", "29582", str(script)], env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    model, report = _single("llama", "float64", device="cuda:0")
+    single, rows = {k: v.cpu() for k, v in model.state_dict().items()}, report.to_dict()["layers"]
+    for rank in range(WORLD):
+        w = torch.load(out / f"weights{rank}.pt", map_location="cpu")
+        assert w.keys() == single.keys(), rank
+        differ = [k for k in single if not torch.equal(w[k], single[k])]
+        assert not differ, (rank, differ[:3])
+        r = json.loads((out / f"report{rank}.json").read_text())
+        d = r["distributed"]
+        assert d["world_size"] == 2 and [x["calibration_samples"] for x in d["ranks"]] == [[0, 4], [4, 8]]
+        solved = [set(x["layers_solved"]) for x in d["ranks"]]
+        assert solved[0] and solved[1] and not solved[0] & solved[1] and solved[0] | solved[1] == set(rows)
+        assert list(r["layers"]) == list(rows), rank  # the same rows, in the same order
+        for name, row in rows.items():
+            assert r["layers"][name]["tokens"] == row["tokens"], (rank, name)  # every rank's tokens
+            assert r["layers"][name]["objective"] == pytest.approx(row["objective"], rel=1e-6), (rank, name)
 
 
 def test_shares_cover_the_samples_once_and_work_goes_largest_first_to_the_least_loaded():

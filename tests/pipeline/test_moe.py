@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 import optq
 
@@ -219,32 +220,69 @@ def test_pause_strategy_replays_moe_blocks_with_the_same_weights():
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def _routing(x: torch.Tensor, router: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert index, weight) [tokens, top_k] of Qwen3-MoE's router, computed here as its
+    ``Qwen3MoeTopKRouter.forward`` does: softmax of the logits in float32, top-k, renormalised
+    over the top-k when ``norm_topk_prob``, cast back to the logits' dtype."""
+    logits = nn.functional.linear(x.reshape(-1, x.shape[-1]), router)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    weight, index = torch.topk(probs, config.num_experts_per_tok, dim=-1)
+    if config.norm_topk_prob:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    return index, weight.to(logits.dtype)
+
+
 def test_routing_weighted_hessian_weighs_each_token_by_its_squared_routing_weight():
+    from transformers.activations import ACT2FN
+
     ids = tokens(n=8, seqlen=16)
     model, report, original = quantize("qwen3_moe", ids, moe_calibration="routed", moe_min_tokens=0,
-                                       moe_weighting="routing")
-    name = "model.layers.0.mlp.experts.1.gate_proj"
-    experts = model.get_submodule("model.layers.0.mlp.experts")
-    weights: list[torch.Tensor] = []
-    xs: list[torch.Tensor] = []
-
-    def grab(_m, args):
-        if experts.routing_weight is not None:
-            weights.append(experts.routing_weight.clone())
-            xs.append(args[0])
-
-    handle = experts[1].gate_proj.register_forward_pre_hook(grab)
+                                       moe_weighting="routing", hessian_dtype="float64")
+    config = model.config
+    act = ACT2FN[config.hidden_act]
+    # Each MoE block's input in the final model is what its expert stages saw (attention, router
+    # and earlier blocks were final before them); the router's own output checks _routing.
+    inputs: dict[int, list] = {}
+    routed: dict[int, list] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles += [layer.mlp.register_forward_pre_hook(lambda _m, a, i=i: inputs.setdefault(i, []).append(a[0])),
+                    layer.mlp.gate.register_forward_hook(lambda _m, _a, y, i=i: routed.setdefault(i, []).append(y))]
     with torch.no_grad():
         for b in range(0, len(ids), 4):
             model(input_ids=ids[b : b + 4], use_cache=False)
-    handle.remove()
-    X, w = torch.cat(xs).double(), torch.cat(weights).double()
-    K = X.shape[1]
-    Xn = X * (K**0.5 / X.norm(dim=1, keepdim=True)) * w[:, None]  # sqrt(w²) = w
-    H = 2.0 / X.shape[0] * Xn.T @ Xn
-    D = (original[f"{name}.weight"] - model.get_submodule(name).weight).double()
-    assert report.layers[name].objective == pytest.approx(0.5 * float(((D @ H) * D).sum()), rel=2e-3)
-    assert report.layers[name].hessian.startswith("routed, weighted")
+    for h in handles:
+        h.remove()
+    checked = 0
+    for i, layer in enumerate(model.model.layers):
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[i]])
+        with torch.no_grad():
+            index, weight = _routing(x, layer.mlp.gate.weight, config)
+        assert torch.equal(index, torch.cat([r[2] for r in routed[i]])), i
+        assert torch.equal(weight, torch.cat([r[1] for r in routed[i]])), i
+        for e in range(config.num_experts):
+            tok, slot = torch.where(index == e)
+            w = weight[tok, slot].double()
+            assert 0 < float(w.min()) and float(w.max()) < 0.9  # far from 1: w and w² differ
+            prefix = f"model.layers.{i}.mlp.experts.{e}"
+            gate, up = (model.get_submodule(f"{prefix}.{m}") for m in ("gate_proj", "up_proj"))
+            with torch.no_grad():  # down_proj's input: through the expert's quantized gate/up
+                h = act(gate(x[tok])) * up(x[tok])
+            for leaf, X in (("gate_proj", x[tok]), ("up_proj", x[tok]), ("down_proj", h)):
+                name = f"{prefix}.{leaf}"
+                row = report.layers[name]
+                assert row.hessian.startswith("routed, weighted") and row.tokens == len(tok), name
+                # H = 2/n Σ_t w_t² x̂_t x̂_tᵀ: tokens at unit RMS (normalize_tokens), then weighed
+                # by w² (the expert's output, hence its error, is scaled by w), n routed tokens.
+                X = X.double()
+                Xw = X * (X.shape[1] ** 0.5 / X.norm(dim=1, keepdim=True)) * w[:, None]
+                H = 2.0 / len(tok) * Xw.T @ Xw
+                D = (original[f"{name}.weight"] - model.get_submodule(name).weight).double()
+                # float64 sums on both sides (measured 5e-9 apart); weighing by w instead of w²
+                # scales each token's term by 1/w > 1.1 (measured: 3.8x on the first expert).
+                assert row.objective == pytest.approx(0.5 * float(((D @ H) * D).sum()), rel=1e-5), name
+                checked += 1
+    assert checked == 2 * config.num_experts * 3
 
 
 def test_plan_lists_every_expert_and_bounds_the_stage_hessians_by_the_budget():

@@ -155,18 +155,39 @@ def _before_rename(mp, partial):
     return LAYERS
 
 
+def _left(partial: Path) -> dict:
+    """What a crash left in OUT.partial/ besides final/: state.json's blocks done, activations
+    file and report rows, and the files of the journal. No guard: a crash must leave a journal."""
+    assert (partial / "state.json").is_file(), f"the crash left no journal state: {sorted(partial.rglob('*'))}"
+    state = json.loads((partial / "state.json").read_text())
+    names = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file() and p.parts[-2] != "final")
+    rows = len(state["report"]["layers"]) if state["report"] else 0
+    return {"done": state["done"], "activations": state["activations"], "rows": rows, "files": names}
+
+
+def _expected(done: int, blocks: int, activations: tuple[int, ...]) -> dict:
+    """The journal after ``done`` committed blocks, ``blocks`` block files written and these
+    activation files on disk (the state names the one entering block ``done``, none after the last)."""
+    acts = [f"activations-{i:05d}.safetensors" for i in activations]
+    files_ = ["manifest.json", "state.json", *acts, *(f"blocks/{i:05d}.safetensors" for i in range(blocks))]
+    named = None if done == LAYERS else f"activations-{done:05d}.safetensors"
+    return {"done": done, "activations": named, "rows": LINEARS * done, "files": sorted(files_)}
+
+
+# Each crash point with the journal it must leave: blocks committed, block files written (one
+# more than committed when the kill follows write_block), activation files on disk.
 CRASHES = [
-    pytest.param(_in_solve_of_block_1, id="in-solve-of-block-1"),
-    pytest.param(_after_write_block_1, id="after-write-block-1-before-commit"),
-    pytest.param(_in_commit_after_activations, id="in-commit-after-activations-before-state"),
-    pytest.param(_before_assembly, id="after-last-commit-before-assembly"),
-    pytest.param(_mid_assembly, id="mid-assembly-after-first-shard"),
-    pytest.param(_before_rename, id="in-finish-before-rename"),
+    pytest.param(_in_solve_of_block_1, _expected(1, 1, (1,)), id="in-solve-of-block-1"),
+    pytest.param(_after_write_block_1, _expected(1, 2, (1,)), id="after-write-block-1-before-commit"),
+    pytest.param(_in_commit_after_activations, _expected(1, 2, (1, 2)), id="in-commit-after-activations-before-state"),
+    pytest.param(_before_assembly, _expected(LAYERS, LAYERS, ()), id="after-last-commit-before-assembly"),
+    pytest.param(_mid_assembly, _expected(LAYERS, LAYERS, ()), id="mid-assembly-after-first-shard"),
+    pytest.param(_before_rename, _expected(LAYERS, LAYERS, ()), id="in-finish-before-rename"),
 ]
 
 
-@pytest.mark.parametrize("crash", CRASHES)
-def test_resume_after_a_crash_is_byte_identical(crash, reference, kit, tmp_path, monkeypatch):
+@pytest.mark.parametrize("crash, left", CRASHES)
+def test_resume_after_a_crash_is_byte_identical(crash, left, reference, kit, tmp_path, monkeypatch):
     src, ref, ref_report = reference
     out = tmp_path / "out"
     partial = tmp_path / "out.partial"
@@ -175,12 +196,17 @@ def test_resume_after_a_crash_is_byte_identical(crash, reference, kit, tmp_path,
         with pytest.raises(Kill):
             kit.stream(src, out, max_shard_size=OUT_SHARD)
     assert partial.is_dir() and not out.exists()
-    if (partial / "state.json").exists():
-        assert _state(out)["done"] == done  # the crash happened where intended
-    if crash is _in_commit_after_activations:
-        assert (partial / "activations-00002.safetensors").is_file()
-    if crash is _mid_assembly:
-        assert len(list(partial.rglob("model-*.safetensors"))) == 2  # one whole, one cut short
+    assert done == left["done"] and _left(partial) == left  # the crash happened where intended
+    shards = sorted(k for k in ref if k.endswith(".safetensors"))
+    final = sorted(p.name for p in (partial / "final").glob("*")) if (partial / "final").exists() else None
+    if crash is _mid_assembly:  # one shard whole, the second cut short, nothing after it
+        assert final == shards[:2]
+        assert (partial / "final" / shards[0]).read_bytes() == ref[shards[0]]
+        assert (partial / "final" / shards[1]).read_bytes() != ref[shards[1]]
+    elif crash is _before_rename:  # the checkpoint complete in final/, only the rename missing
+        assert kit.folder_bytes(partial / "final") == ref
+    else:
+        assert final is None
 
     solves = _count_solves(monkeypatch)
     report = kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True)
