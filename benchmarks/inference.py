@@ -33,8 +33,15 @@ def _tiny(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(cfg).save_pretrained(folder)
 
 
@@ -49,8 +56,9 @@ def _quantize(src: Path, dst: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     prefix, _ = find_blocks(model)
     cfg = optq.QuantConfig(bits=4, group_size=128)
-    sols = {n: optq.rtn(get_weight(m).detach(), cfg) for n, m in find_linears(model).items()
-            if n.startswith(prefix + ".")}
+    sols = {
+        n: optq.rtn(get_weight(m).detach(), cfg) for n, m in find_linears(model).items() if n.startswith(prefix + ".")
+    }
     optq.save(model, dst, solutions=sols, overwrite=True)
 
 
@@ -82,11 +90,18 @@ def _measure(variant: str, folder: str, prompt: int, decode: int) -> dict:
             out = model(tok, past_key_values=cache, use_cache=True)
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode_s = time.perf_counter() - t0
-    tensors = sum(t.numel() * t.element_size() for t in {id(t): t for t in
-                  [*model.parameters(), *model.buffers()]}.values())
-    return {"variant": variant, "load_s": load_s, "prefill_tok_s": prompt / prefill_s,
-            "decode_tok_s": decode / decode_s, "rss_mb": _rss_mb(), "rss_model_mb": _rss_mb() - base,
-            "model_tensors_mb": tensors / 1e6}
+    tensors = sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    )
+    return {
+        "variant": variant,
+        "load_s": load_s,
+        "prefill_tok_s": prompt / prefill_s,
+        "decode_tok_s": decode / decode_s,
+        "rss_mb": _rss_mb(),
+        "rss_model_mb": _rss_mb() - base,
+        "model_tensors_mb": tensors / 1e6,
+    }
 
 
 def _disk_mb(folder: Path) -> float:
@@ -115,8 +130,17 @@ def main() -> int:
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for variant, folder in folders.items():
-            cmd = [sys.executable, __file__, "--child", "fp32" if variant == "fp32" else "q4", str(folder),
-                   "--prompt", str(args.prompt), "--decode", str(args.decode)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "fp32" if variant == "fp32" else "q4",
+                str(folder),
+                "--prompt",
+                str(args.prompt),
+                "--decode",
+                str(args.decode),
+            ]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             prev = best.get(variant)
             if prev is None or r["decode_tok_s"] > prev["decode_tok_s"]:
@@ -125,15 +149,21 @@ def main() -> int:
             elif r["prefill_tok_s"] > prev["prefill_tok_s"]:
                 prev["prefill_tok_s"] = r["prefill_tok_s"]
     print(f"model: {src}  prompt {args.prompt} tokens, decode {args.decode} tokens, best of {args.repeats}")
-    print(f"{'variant':18s} {'disk MB':>8s} {'tensors MB':>10s} {'RSS MB':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
+    print(
+        f"{'variant':18s} {'disk MB':>8s} {'tensors MB':>10s} {'RSS MB':>8s} "
+        f"{'prefill tok/s':>14s} {'decode tok/s':>13s}"
+    )
     for variant, r in best.items():
         r["disk_mb"] = _disk_mb(folders[variant])
-        print(f"{variant:18s} {r['disk_mb']:8.1f} {r['model_tensors_mb']:10.1f} {r['rss_mb']:8.0f} "
-              f"{r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}")
+        print(
+            f"{variant:18s} {r['disk_mb']:8.1f} {r['model_tensors_mb']:10.1f} {r['rss_mb']:8.0f} "
+            f"{r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "inference.json"
-    out.write_text(json.dumps({"model": str(src), "prompt": args.prompt, "decode": args.decode,
-                               "results": best}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"model": str(src), "prompt": args.prompt, "decode": args.decode, "results": best}, indent=2) + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import optq  # noqa: E402
 from lab_report import write_doc  # noqa: E402
+
+import optq  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "lab.json"
 MODEL = "smollm2-135m"
@@ -47,16 +48,22 @@ class Lab:
         self.model, self.tok = zoo.load_model(MODEL)
         bos = zoo.eval_bos_id(MODEL, self.tok, self.model.config)
         self.nsamples, self.seqlen, self.windows = nsamples, seqlen, windows
-        self.evaluation = {c: tokens.eval_windows(tokens.load_tokens(c, self.tok, "eval"), seqlen, windows, bos_id=bos)
-                           for c in CORPORA}
+        self.evaluation = {
+            c: tokens.eval_windows(tokens.load_tokens(c, self.tok, "eval"), seqlen, windows, bos_id=bos)
+            for c in CORPORA
+        }
         self.data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         settings = {"model": MODEL, "nsamples": nsamples, "seqlen": seqlen, "windows": windows, "corpora": CORPORA}
         if self.data.get("settings", settings) != settings:
             raise SystemExit(f"{RESULTS} was made with {self.data['settings']}; delete it or use those settings")
         self.data["settings"] = settings
         self.data.setdefault("runs", {})
-        self.data["machine"] = {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                                "torch": torch.__version__, "optq": optq.__version__}
+        self.data["machine"] = {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "optq": optq.__version__,
+        }
 
     def save(self) -> None:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -79,8 +86,14 @@ class Lab:
         calibration = self.calibration(calib, nsamples) if v.method == "gptq" else self.calibration("enwiki", 4)
         t = time.perf_counter()
         (res,) = compare(self.model, [v], calibration, self.evaluation, progress=False)
-        row = {"variant": variant, "calib": calib, "nsamples": nsamples or self.nsamples,
-               "perplexity": res.perplexity, "quantize_s": res.quantize_s, "seconds": time.perf_counter() - t}
+        row = {
+            "variant": variant,
+            "calib": calib,
+            "nsamples": nsamples or self.nsamples,
+            "perplexity": res.perplexity,
+            "quantize_s": res.quantize_s,
+            "seconds": time.perf_counter() - t,
+        }
         if res.report is not None:
             row["layers"] = {n: [r.objective, r.rtn_objective] for n, r in res.report.layers.items()}
             row["fallbacks"] = res.report.fallbacks
@@ -97,7 +110,7 @@ class Lab:
         try:
             with torch.no_grad():
                 for b in range(0, len(calib), 8):
-                    self.model(input_ids=calib[b:b + 8], use_cache=False)
+                    self.model(input_ids=calib[b : b + 8], use_cache=False)
         finally:
             handle.remove()
         return torch.cat(xs)
@@ -116,7 +129,9 @@ def claim1(lab: Lab) -> dict[str, Any]:
             X = torch.empty(n, d, dtype=torch.float64)
             X[:, 0] = torch.randn(n, generator=g, dtype=torch.float64)
             for j in range(1, d):
-                X[:, j] = rho * X[:, j - 1] + math.sqrt(1 - rho * rho) * torch.randn(n, generator=g, dtype=torch.float64)
+                X[:, j] = rho * X[:, j - 1] + math.sqrt(1 - rho * rho) * torch.randn(
+                    n, generator=g, dtype=torch.float64
+                )
             h = optq.Hessian(d, dtype=torch.float64, normalize_tokens=False)
             h.update(X)
             H = h.matrix()
@@ -126,8 +141,15 @@ def claim1(lab: Lab) -> dict[str, Any]:
             ratios.append(optq.gptq(W, H, cfg).loss / rtn)
             Hd = torch.diag(H.diagonal())
             diag.append(optq.gptq(W, Hd, cfg).loss / optq.objective(W, optq.rtn(W, cfg).weight, Hd))
-        sweep.append({"rho": rho, "ratio_mean": sum(ratios) / len(ratios), "ratio_max": max(ratios),
-                      "diag_ratio_min": min(diag), "diag_ratio_max": max(diag)})
+        sweep.append(
+            {
+                "rho": rho,
+                "ratio_mean": sum(ratios) / len(ratios),
+                "ratio_max": max(ratios),
+                "diag_ratio_min": min(diag),
+                "diag_ratio_max": max(diag),
+            }
+        )
     layers = lab.run("gptq")["layers"]
     ratios = {name: (o / r if r > 0 else 1.0) for name, (o, r) in layers.items()}
     return {"synthetic": sweep, "layer_ratios": ratios}
@@ -146,8 +168,11 @@ def claim2(lab: Lab) -> dict[str, Any]:
     h.update(X)
     H = h.matrix()
     W = lab.model.get_submodule("model.layers.3.mlp.down_proj").weight.detach()
-    few: dict[str, Any] = {"tokens": int(X.shape[0]), "inputs": int(X.shape[1]),
-                           "rank": int(torch.linalg.matrix_rank(H.double(), rtol=1e-5))}  # float32 noise aside
+    few: dict[str, Any] = {
+        "tokens": int(X.shape[0]),
+        "inputs": int(X.shape[1]),
+        "rank": int(torch.linalg.matrix_rank(H.double(), rtol=1e-5)),
+    }  # float32 noise aside
     try:
         optq.gptq(W, H, optq.QuantConfig(bits=4, group_size=128, damp=0.0, damp_max=0.0))
         few["damp0"] = "factorised"
@@ -172,17 +197,25 @@ def claim3(lab: Lab) -> dict[str, Any]:
     rows = []
     for bits in (2, 3, 4):
         b = "" if bits == 4 else f"+b{bits}"
-        rows.append({"bits": bits, "quantized": lab.run(f"gptq{b}")["perplexity"],
-                     "original": lab.run(f"gptq{b}+original")["perplexity"],
-                     "rtn": lab.run(f"rtn{b}")["perplexity"]})
+        rows.append(
+            {
+                "bits": bits,
+                "quantized": lab.run(f"gptq{b}")["perplexity"],
+                "original": lab.run(f"gptq{b}+original")["perplexity"],
+                "rtn": lab.run(f"rtn{b}")["perplexity"],
+            }
+        )
     return {"rows": rows, "fp": lab.run("fp")["perplexity"]}
 
 
 def claim4(lab: Lab) -> dict[str, Any]:
     """Greedy OBQ order vs GPTQ's fixed order vs act-order, on layers small enough for OBQ."""
     out = []
-    for linear, rows in (("model.layers.0.self_attn.k_proj", 32), ("model.layers.15.self_attn.k_proj", 32),
-                         ("model.layers.15.mlp.up_proj", 16)):
+    for linear, rows in (
+        ("model.layers.0.self_attn.k_proj", 32),
+        ("model.layers.15.self_attn.k_proj", 32),
+        ("model.layers.15.mlp.up_proj", 16),
+    ):
         X = lab.inputs(linear, 8)
         W = lab.model.get_submodule(linear).weight.detach()[:rows].double()
         h = optq.Hessian(X.shape[1], dtype=torch.float64)
@@ -231,7 +264,9 @@ def claim6(lab: Lab) -> dict[str, Any]:
                 h.update(X.double())
                 ev = torch.linalg.eigvalsh(h.matrix()).clamp_min(0)
                 p = ev / ev.sum()
-                ranks[f"{linear}|{'normalised' if norm else 'plain'}"] = float(torch.exp(-(p[p > 0] * p[p > 0].log()).sum()))
+                ranks[f"{linear}|{'normalised' if norm else 'plain'}"] = float(
+                    torch.exp(-(p[p > 0] * p[p > 0].log()).sum())
+                )
         rows.append({"nsamples": n, "tokens": n * lab.seqlen, "perplexity": ppl, "effective_rank": ranks})
         print(f"  claim 6: nsamples {n} done", flush=True)
     return {"rows": rows, "rtn": lab.run("rtn")["perplexity"]}
@@ -242,8 +277,14 @@ def claim7(lab: Lab) -> dict[str, Any]:
     rows = []
     for bits in (2, 3, 4):
         b = "" if bits == 4 else f"+b{bits}"
-        rows.append({"bits": bits, "normalised": lab.run(f"gptq{b}")["perplexity"],
-                     "plain": lab.run(f"gptq{b}+no_norm")["perplexity"], "rtn": lab.run(f"rtn{b}")["perplexity"]})
+        rows.append(
+            {
+                "bits": bits,
+                "normalised": lab.run(f"gptq{b}")["perplexity"],
+                "plain": lab.run(f"gptq{b}+no_norm")["perplexity"],
+                "rtn": lab.run(f"rtn{b}")["perplexity"],
+            }
+        )
     return {"rows": rows, "fp": lab.run("fp")["perplexity"], "norms": _token_norms(lab)}
 
 
@@ -256,8 +297,12 @@ def _token_norms(lab: Lab, windows: int = 8) -> dict[str, Any]:
 
     firsts = [n for n in find_linears(lab.model) if n.endswith(("q_proj", "o_proj", "gate_proj", "down_proj"))]
     energy: dict[str, list[torch.Tensor]] = {n: [] for n in firsts}
-    handles = [lab.model.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, n=n: energy[n].append(a[0].detach().double().pow(2).sum(-1))) for n in firsts]
+    handles = [
+        lab.model.get_submodule(n).register_forward_pre_hook(
+            lambda m, a, n=n: energy[n].append(a[0].detach().double().pow(2).sum(-1))
+        )
+        for n in firsts
+    ]
     calib = lab.calibration("enwiki", windows)
     try:
         with torch.no_grad():
@@ -269,12 +314,20 @@ def _token_norms(lab: Lab, windows: int = 8) -> dict[str, Any]:
     for n in firsts:
         sq = torch.cat(energy[n])  # [windows, length]
         top = torch.topk(sq.flatten(), max(1, sq.numel() // 100)).values.sum()
-        groups[n] = {"position0_share": float(sq[:, 0].sum() / sq.sum()), "top1pct_share": float(top / sq.sum()),
-                     "position0_over_median": float(sq[:, 0].mean() / sq[:, 1:].median())}
+        groups[n] = {
+            "position0_share": float(sq[:, 0].sum() / sq.sum()),
+            "top1pct_share": float(top / sq.sum()),
+            "position0_over_median": float(sq[:, 0].mean() / sq[:, 1:].median()),
+        }
     worst = max(groups, key=lambda n: groups[n]["position0_share"])
     sq = torch.cat(energy[worst])
-    return {"windows": windows, "groups": groups, "worst": worst,
-            "hist": _log_hist(sq[:, 1:].flatten()), "hist_first": _log_hist(sq[:, 0])}
+    return {
+        "windows": windows,
+        "groups": groups,
+        "worst": worst,
+        "hist": _log_hist(sq[:, 1:].flatten()),
+        "hist_first": _log_hist(sq[:, 0]),
+    }
 
 
 def _log_hist(values: torch.Tensor) -> dict[str, list[float]]:

@@ -1,4 +1,4 @@
-"""Tables, number formats and figure plumbing shared by the lab's page (lab_report.py)."""
+"""Tables, number formats and figure plumbing shared by the lab's page (lab_report.py, lab_report_calibration.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,15 @@ def pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "optq-lab", "font.size": 9,
-                         "axes.spines.top": False, "axes.spines.right": False})
+    plt.rcParams.update(
+        {
+            "svg.fonttype": "none",
+            "svg.hashsalt": "optq-lab",
+            "font.size": 9,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    )
     return plt
 
 

@@ -48,9 +48,17 @@ VOCAB = 49152
 def build(args: argparse.Namespace):
     import transformers
 
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=args.inter,
-                                     num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
-                                     num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=args.inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg).float().eval()
 
@@ -67,8 +75,11 @@ def token_sets(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, st
     except Exception as exc:  # corpus or model not fetched: random ids
         print(f"note: enwiki/SmolLM2 unavailable ({exc}); random token ids", file=sys.stderr)
         g = torch.Generator().manual_seed(0)
-        return (torch.randint(0, VOCAB, (args.nsamples, args.seqlen), generator=g),
-                torch.randint(0, VOCAB, (args.heldout, args.seqlen), generator=g), "random ids")
+        return (
+            torch.randint(0, VOCAB, (args.nsamples, args.seqlen), generator=g),
+            torch.randint(0, VOCAB, (args.heldout, args.seqlen), generator=g),
+            "random ids",
+        )
 
 
 def heldout_inputs(model, held: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -77,8 +88,9 @@ def heldout_inputs(model, held: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and ".experts." in name:
-            handles.append(mod.register_forward_pre_hook(
-                lambda _m, a, n=name: got.setdefault(n, []).append(a[0].detach().clone())))
+            handles.append(
+                mod.register_forward_pre_hook(lambda _m, a, n=name: got.setdefault(n, []).append(a[0].detach().clone()))
+            )
     with torch.no_grad():
         for b in range(0, len(held), 4):
             model(input_ids=held[b : b + 4], use_cache=False)
@@ -89,7 +101,9 @@ def heldout_inputs(model, held: torch.Tensor) -> dict[str, list[torch.Tensor]]:
 
 def logprobs(model, held: torch.Tensor) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [model(input_ids=held[b : b + 4], use_cache=False).logits.log_softmax(-1) for b in range(0, len(held), 4)]
+        return [
+            model(input_ids=held[b : b + 4], use_cache=False).logits.log_softmax(-1) for b in range(0, len(held), 4)
+        ]
 
 
 def child(args: argparse.Namespace) -> None:
@@ -130,19 +144,34 @@ def child(args: argparse.Namespace) -> None:
     for name, xs in inputs.items():
         delta = (fp.get_submodule(name).weight - model.get_submodule(name).weight).double()
         e = sum(float(((x.reshape(-1, x.shape[-1]).double() @ delta.T) ** 2).sum()) for x in xs)
-        per_layer[name] = {"error": e / n_tokens, "heldout_tokens": sum(x.reshape(-1, x.shape[-1]).shape[0] for x in xs),
-                           "calib_tokens": report.layers[name].tokens if name in report.layers else None,
-                           "hessian": report.layers[name].hessian if name in report.layers else None}
+        per_layer[name] = {
+            "error": e / n_tokens,
+            "heldout_tokens": sum(x.reshape(-1, x.shape[-1]).shape[0] for x in xs),
+            "calib_tokens": report.layers[name].tokens if name in report.layers else None,
+            "hessian": report.layers[name].hessian if name in report.layers else None,
+        }
         err += e / n_tokens
     kl = 0.0
     for p, q in zip(logprobs(fp, held), logprobs(model, held)):
         kl += float((p.exp() * (p - q)).sum())
     kl /= n_tokens
     expert_linears = sum(isinstance(m, ExpertLinears) for m in model.modules())
-    out = {"variant": v, "source": source, "seconds": seconds, "cpu_seconds": cpu, "peak_rss_mb": peak, "start_rss_mb": base,
-           "heldout_layer_error": err, "kl": kl, "moe": report.moe, "weights_sha256": digest.hexdigest(),
-           "fallbacks": len(report.fallbacks), "experts_modules": expert_linears, "layers": per_layer,
-           "options": {k: report.options[k] for k in ("moe_calibration", "moe_min_tokens", "max_hessian_memory")}}
+    out = {
+        "variant": v,
+        "source": source,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "peak_rss_mb": peak,
+        "start_rss_mb": base,
+        "heldout_layer_error": err,
+        "kl": kl,
+        "moe": report.moe,
+        "weights_sha256": digest.hexdigest(),
+        "fallbacks": len(report.fallbacks),
+        "experts_modules": expert_linears,
+        "layers": per_layer,
+        "options": {k: report.options[k] for k in ("moe_calibration", "moe_min_tokens", "max_hessian_memory")},
+    }
     Path(args.json_out).write_text(json.dumps(out))
 
 
@@ -166,28 +195,39 @@ def main() -> None:
     tmp = Path(args.out).with_suffix(".part.json")
     for v in args.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", v, "--json-out", str(tmp)] + [
-            f"--{k}={getattr(args, k)}" for k in ("nsamples", "seqlen", "heldout", "layers", "inter", "threads")]
+            f"--{k}={getattr(args, k)}" for k in ("nsamples", "seqlen", "heldout", "layers", "inter", "threads")
+        ]
         subprocess.run(cmd, check=True)
         rows.append(json.loads(tmp.read_text()))
         tmp.unlink()
         r = rows[-1]
         print(f"{v}: {r['seconds']:.1f} s, peak {r['peak_rss_mb']:.0f} MB", flush=True)
     by = {r["variant"]: r for r in rows}
-    print(f"\nrandom Mixtral, hidden 1024, 8 experts top-2, inter {args.inter}, {args.layers} blocks; "
-          f"4-bit g128; calibration {args.nsamples} x {args.seqlen} ({rows[0]['source']}); held-out {args.heldout} x {args.seqlen}")
-    print(f"{'variant':9s} {'time s':>7s} {'cpu s':>7s} {'peak MB':>8s} {'fwd/blk':>8s} {'extra':>6s} {'chunks':>7s} "
-          f"{'held-out err':>13s} {'KL':>10s} {'fallbacks':>9s}")
+    print(
+        f"\nrandom Mixtral, hidden 1024, 8 experts top-2, inter {args.inter}, {args.layers} blocks; "
+        f"4-bit g128; calibration {args.nsamples} x {args.seqlen} ({rows[0]['source']}); "
+        f"held-out {args.heldout} x {args.seqlen}"
+    )
+    print(
+        f"{'variant':9s} {'time s':>7s} {'cpu s':>7s} {'peak MB':>8s} {'fwd/blk':>8s} {'extra':>6s} {'chunks':>7s} "
+        f"{'held-out err':>13s} {'KL':>10s} {'fallbacks':>9s}"
+    )
     for r in rows:
         moe = list(r["moe"].values())
         fwd = sum(m["forwards"] + m["discovery_forwards"] for m in moe) / max(1, len(moe))
         extra = sum(m["extra_forwards"] for m in moe) / max(1, len(moe))
         chunks = sum(m["chunks"] for m in moe) / max(1, len(moe))
-        print(f"{r['variant']:9s} {r['seconds']:7.1f} {r.get('cpu_seconds', float('nan')):7.1f} {r['peak_rss_mb']:8.0f} {fwd:8.1f} {extra:6.1f} {chunks:7.1f} "
-              f"{r['heldout_layer_error']:13.5g} {r['kl']:10.4g} {r['fallbacks']:9d}")
+        print(
+            f"{r['variant']:9s} {r['seconds']:7.1f} {r.get('cpu_seconds', float('nan')):7.1f} "
+            f"{r['peak_rss_mb']:8.0f} {fwd:8.1f} {extra:6.1f} {chunks:7.1f} "
+            f"{r['heldout_layer_error']:13.5g} {r['kl']:10.4g} {r['fallbacks']:9d}"
+        )
     if "budget" in by and "routed" in by:
         same = by["budget"]["weights_sha256"] == by["routed"]["weights_sha256"]
-        print(f"\nbudget ({by['budget']['options']['max_hessian_memory'] / 1e6:.0f} MB) vs unlimited: "
-              f"identical weights: {same}")
+        print(
+            f"\nbudget ({by['budget']['options']['max_hessian_memory'] / 1e6:.0f} MB) vs unlimited: "
+            f"identical weights: {same}"
+        )
     if "routed0" in by and "all" in by:
         print("\nper expert linear, held-out error routed-only / all-token H, by calibration tokens routed:")
         buckets: dict[str, list[float]] = {}
@@ -197,10 +237,20 @@ def main() -> None:
             key = next(f"<{b}" for b in (64, 256, 1024, 4096, 16384, 1 << 30) if n < b)
             buckets.setdefault(key, []).append(row["error"] / other if other else float("nan"))
         for key, vals in buckets.items():
-            print(f"  tokens {key:>8s}: {len(vals):3d} linears, mean ratio {sum(vals) / len(vals):.3f}, "
-                  f"routed better in {sum(v < 1 for v in vals)}")
-    Path(args.out).write_text(json.dumps({"args": {k: getattr(args, k) for k in ("nsamples", "seqlen", "heldout", "layers", "inter", "threads")},
-                                          "rows": rows}, indent=1) + "\n")
+            print(
+                f"  tokens {key:>8s}: {len(vals):3d} linears, mean ratio {sum(vals) / len(vals):.3f}, "
+                f"routed better in {sum(v < 1 for v in vals)}"
+            )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": {k: getattr(args, k) for k in ("nsamples", "seqlen", "heldout", "layers", "inter", "threads")},
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"\nwrote {args.out}")
 
 

@@ -29,6 +29,24 @@ if __name__ == "__main__":
     ap.add_argument("--calib", default="enwiki")
     args = ap.parse_args()
     out = RESULTS / f"quality_{args.model}_{args.calib}.json"
-    sys.exit(main(["compare", args.model, "--variants", args.variants, "--data", args.data,
-                   "--calib", args.calib, "--windows", args.windows, "--nsamples", args.nsamples,
-                   "--json", str(out), "--no-progress"]))
+    sys.exit(
+        main(
+            [
+                "compare",
+                args.model,
+                "--variants",
+                args.variants,
+                "--data",
+                args.data,
+                "--calib",
+                args.calib,
+                "--windows",
+                args.windows,
+                "--nsamples",
+                args.nsamples,
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+    )

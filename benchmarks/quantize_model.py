@@ -142,9 +142,15 @@ def run_once(args: argparse.Namespace) -> dict:
     loaded_mb = rss_mb()
     quantize_peak = reset_peak()
     t1 = time.perf_counter()
-    report = optq.quantize(model, calib, config, propagate=args.propagate, batch_size=args.batch_size,
-                           strategy=args.strategy,
-                           progress=not args.no_progress)
+    report = optq.quantize(
+        model,
+        calib,
+        config,
+        propagate=args.propagate,
+        batch_size=args.batch_size,
+        strategy=args.strategy,
+        progress=not args.no_progress,
+    )
     quant_s = time.perf_counter() - t1
     quantize_peak_mb = _status_mb("VmHWM") if quantize_peak else None
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -176,8 +182,12 @@ def run_once(args: argparse.Namespace) -> dict:
 def memory_rows(run: dict) -> list[tuple[str, str]]:
     """The measured quantization peak against the formula's prediction and the target."""
     terms, loaded, peak = run["memory_terms_mb"], run["loaded_rss_mb"], run["quantize_peak_rss_mb"]
-    rows = [("  RSS before loading (runtime)", f"{run['runtime_rss_mb']:.0f} MB"
-             if run["runtime_rss_mb"] is not None else "n/a")]
+    rows = [
+        (
+            "  RSS before loading (runtime)",
+            f"{run['runtime_rss_mb']:.0f} MB" if run["runtime_rss_mb"] is not None else "n/a",
+        )
+    ]
     if loaded is None:
         return rows
     predicted = loaded + sum(terms.values())
@@ -189,8 +199,11 @@ def memory_rows(run: dict) -> list[tuple[str, str]]:
     ]
     if peak is not None:
         rows += [
-            ("  measured peak while quantizing", f"{peak:.0f} MB (+{peak - loaded:.0f} MB over the baseline, "
-             f"{(peak - loaded) / (predicted - loaded):.2f}x the formula's)"),
+            (
+                "  measured peak while quantizing",
+                f"{peak:.0f} MB (+{peak - loaded:.0f} MB over the baseline, "
+                f"{(peak - loaded) / (predicted - loaded):.2f}x the formula's)",
+            ),
             ("  target: baseline + 2 x activations", f"{target:.0f} MB ({'met' if peak <= target else 'NOT met'})"),
         ]
     return rows

@@ -28,162 +28,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import resource
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from scale_jobs import WORK, clear_output, predicted, spawn, synthetic, tensors_identical, worker
+
 RESULTS = ROOT / "benchmarks" / "results" / "scale.json"
-WORK = Path(os.environ.get("OPTQ_SCALE_WORK", "/tmp/optq_scale"))
 GB = 1e9
-SYN = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 8,
-       "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 2048}
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-# ------------------------------------------------------------------------------------ worker
-def worker(job: dict) -> dict:
-    """One quantization in this (fresh) process; returns its measurements."""
-    sys.path.insert(0, str(ROOT))
-    import torch
-    import transformers  # noqa: F401  (part of the runtime)
-
-    import optq
-    from optq.pipeline.stream.quantize import quantize_pretrained
-
-    runtime = _status("VmRSS")
-    calib = _calibration(job)
-    config = optq.QuantConfig(**job.get("config", {}))
-    t0 = time.perf_counter()
-    if job["kind"] == "stream":
-        report = quantize_pretrained(job["source"], job["out"], calib, config, max_shard_size=job["shard"],
-                                     resume=job.get("resume", False), progress=False)
-    else:
-        from optq.data.zoo import load_model
-
-        model, _ = load_model(job["source"])
-        report = optq.quantize(model, calib, config, progress=False)
-        optq.save(model, job["out"], solutions=report.solutions, report=report, max_shard_size=job["shard"])
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "peak_rss": _status("VmHWM"), "runtime_rss": runtime,
-            "block_s": report.block_seconds, "threads": torch.get_num_threads()}
-
-
-def _calibration(job: dict):
-    import torch
-
-    if job["calib"] == "random":
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, SYN["vocab_size"], (job["nsamples"], job["seqlen"]), generator=g)
-    from transformers import AutoTokenizer
-
-    from optq.data.tokens import calibration_tokens, load_tokens
-
-    tok = AutoTokenizer.from_pretrained(job["source"])
-    return calibration_tokens(load_tokens("enwiki", tok, "calib"), nsamples=job["nsamples"],
-                              seqlen=job["seqlen"], seed=0)
-
-
-def spawn(job: dict, cgroup: Path | None = None, kill_at: tuple[Path, int] | None = None) -> dict:
-    """Run ``job`` in a fresh process (optionally inside ``cgroup``, or SIGKILLed once the journal's
-    state.json reports ``kill_at[1]`` blocks done)."""
-    cmd = [sys.executable, __file__, "--worker", json.dumps(job)]
-    pre = (lambda: Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
-    t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pre)  # noqa: PLW1509 (no threads in this parent)
-    if kill_at:
-        state, n = kill_at
-        while proc.poll() is None:
-            try:
-                if json.loads(state.read_text())["done"] >= n:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.05)
-    out, err = proc.communicate()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child's, killed or not: it was reaped
-    result = {"rc": proc.returncode, "elapsed_s": time.perf_counter() - t0,
-              "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
-    lines = [x for x in out.splitlines() if x.startswith("{")]
-    if proc.returncode == 0 and lines:
-        result.update(json.loads(lines[-1]))
-    else:
-        result["stderr_tail"] = err[-1500:]
-    return result
-
-
-# ------------------------------------------------------------------------------------ helpers
-def synthetic(layers: int) -> Path:
-    """A random Llama-shaped bf16 model with ``layers`` blocks, saved once as 500 MB shards."""
-    folder = WORK / f"llama-{layers}"
-    if (folder / "config.json").exists():
-        return folder
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(num_hidden_layers=layers, **SYN), dtype=torch.bfloat16)
-    model.save_pretrained(folder, max_shard_size="500MB")
-    return folder
-
-
-def tensors_identical(a: Path, b: Path) -> dict:
-    """Compare two checkpoint folders' tensors byte by byte (and the safetensors files)."""
-    import torch
-    from safetensors import safe_open
-
-    from optq.formats.files import read_index
-
-    ia, ib = read_index(a), read_index(b)
-    differ = sorted(k for k in ia.keys() | ib.keys() if k not in ia or k not in ib)
-    for k in sorted(ia.keys() & ib.keys()):
-        with safe_open(str(a / ia[k][0]), "pt") as fa, safe_open(str(b / ib[k][0]), "pt") as fb:
-            ta, tb = fa.get_tensor(k), fb.get_tensor(k)
-        if ta.dtype != tb.dtype or ta.shape != tb.shape or not torch.equal(ta.view(torch.uint8), tb.view(torch.uint8)):
-            differ.append(k)
-    files = sorted(p.name for p in a.glob("*.safetensors"))
-    same_files = files == sorted(p.name for p in b.glob("*.safetensors")) and all(
-        (a / f).read_bytes() == (b / f).read_bytes() for f in files)
-    return {"tensors": len(ia), "differing": differ[:10], "n_differing": len(differ), "files_identical": same_files}
-
-
-def predicted(source: Path, nsamples: int, seqlen: int, shard: str) -> dict:
-    sys.path.insert(0, str(ROOT))
-    import optq
-    from optq.pipeline.planning import plan
-
-    p = plan(source, nsamples=nsamples, seqlen=seqlen, config=optq.QuantConfig(), max_shard_size=shard)
-    return {"peak_ram": p.peak_ram, "capture": p.capture, "ram": p.ram, "assembly": p.assembly, "output": p.output_bytes,
-            "seconds": sum(p.seconds.values())}
-
-
-def _rm(path: Path) -> None:
-    import shutil
-
-    for p in (path, path.with_name(path.name + ".partial")):
-        shutil.rmtree(p, ignore_errors=True)
-
-
+# ------------------------------------------------------------------------------------ results
 def save(section: str, data: dict) -> None:
     import torch
 
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results.update({"benchmark": "scale", "platform": platform.platform(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, section: data})
+    results.update(
+        {
+            "benchmark": "scale",
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            section: data,
+        }
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
@@ -199,9 +70,16 @@ def phase_depth(layers: list[int], nsamples: int, seqlen: int) -> dict:
         src = synthetic(n)
         weights = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         dst = WORK / f"out-{n}"
-        _rm(dst)
-        job = {"kind": "stream", "source": str(src), "out": str(dst), "shard": "500MB", "calib": "random",
-               "nsamples": nsamples, "seqlen": seqlen}
+        clear_output(dst)
+        job = {
+            "kind": "stream",
+            "source": str(src),
+            "out": str(dst),
+            "shard": "500MB",
+            "calib": "random",
+            "nsamples": nsamples,
+            "seqlen": seqlen,
+        }
         r = spawn(job)
         r.update(layers=n, source_bytes=weights, plan=predicted(src, nsamples, seqlen, "500MB"))
         out[str(n)] = r
@@ -209,23 +87,39 @@ def phase_depth(layers: list[int], nsamples: int, seqlen: int) -> dict:
             print(f"{n} layers: failed rc={r['rc']}\n{r.get('stderr_tail')}")
             continue
         bs = r["block_s"]
-        rows.append(_row([str(n), f"{weights / GB:.2f}", f"{r['peak_rss'] / GB:.3f}", f"{r['plan']['peak_ram'] / GB:.3f}",
-                          f"{r['runtime_rss'] / GB:.3f}", f"{sum(bs) / len(bs):.2f}", f"{r['wall_s']:.0f}"]))
-        _rm(dst)
+        rows.append(
+            _row(
+                [
+                    str(n),
+                    f"{weights / GB:.2f}",
+                    f"{r['peak_rss'] / GB:.3f}",
+                    f"{r['plan']['peak_ram'] / GB:.3f}",
+                    f"{r['runtime_rss'] / GB:.3f}",
+                    f"{sum(bs) / len(bs):.2f}",
+                    f"{r['wall_s']:.0f}",
+                ]
+            )
+        )
+        clear_output(dst)
     if "4" in out and "24" in out and out["4"]["rc"] == 0 and out["24"]["rc"] == 0:
-        layer_bytes = (out["24"]["source_bytes"] - out["4"]["source_bytes"])
+        layer_bytes = out["24"]["source_bytes"] - out["4"]["source_bytes"]
         rise = out["24"]["peak_rss"] - out["4"]["peak_rss"]
-        out["target"] = {"added_layer_bytes": layer_bytes, "peak_rise": rise, "ratio": rise / layer_bytes,
-                         "met": rise <= 0.25 * layer_bytes}
-    print(f"\ndepth scaling: {nsamples} x {seqlen} random tokens, 4-bit g128, bf16 source, float32 compute"
-          )
+        out["target"] = {
+            "added_layer_bytes": layer_bytes,
+            "peak_rise": rise,
+            "ratio": rise / layer_bytes,
+            "met": rise <= 0.25 * layer_bytes,
+        }
+    print(f"\ndepth scaling: {nsamples} x {seqlen} random tokens, 4-bit g128, bf16 source, float32 compute")
     print(_row(["layers", "source GB", "peak RSS GB", "plan peak GB", "runtime RSS GB", "s/block", "wall s"]))
     print(_row(["---"] * 7))
     print("\n".join(rows))
     if "target" in out:
         t = out["target"]
-        print(f"4 -> 24 layers: peak RSS +{t['peak_rise'] / GB:.3f} GB for {t['added_layer_bytes'] / GB:.3f} GB of "
-              f"added layers = {t['ratio']:.3f}x (target <= 0.25x: {'met' if t['met'] else 'NOT met'})")
+        print(
+            f"4 -> 24 layers: peak RSS +{t['peak_rise'] / GB:.3f} GB for {t['added_layer_bytes'] / GB:.3f} GB of "
+            f"added layers = {t['ratio']:.3f}x (target <= 0.25x: {'met' if t['met'] else 'NOT met'})"
+        )
     return out
 
 
@@ -237,25 +131,48 @@ def phase_smollm() -> dict:
     out = {}
     for kind in ("stream", "memory"):
         dst = WORK / f"smol-{kind}"
-        _rm(dst)
-        out[kind] = spawn({"kind": kind, "source": str(src), "out": str(dst), "shard": "5GB", "calib": "enwiki",
-                           "nsamples": 128, "seqlen": 512})
+        clear_output(dst)
+        out[kind] = spawn(
+            {
+                "kind": kind,
+                "source": str(src),
+                "out": str(dst),
+                "shard": "5GB",
+                "calib": "enwiki",
+                "nsamples": 128,
+                "seqlen": 512,
+            }
+        )
     out["plan"] = predicted(Path(src), 128, 512, "5GB")
     ok = all(out[k]["rc"] == 0 for k in ("stream", "memory"))
     if ok:
         out["identical"] = tensors_identical(WORK / "smol-stream", WORK / "smol-memory")
         s, m = out["stream"], out["memory"]
-        out["targets"] = {"peak_le_0.9GB": s["peak_rss"] <= 0.9 * GB, "time_ratio": s["wall_s"] / m["wall_s"],
-                          "time_within_10pct": s["wall_s"] <= 1.1 * m["wall_s"]}
+        out["targets"] = {
+            "peak_le_0.9GB": s["peak_rss"] <= 0.9 * GB,
+            "time_ratio": s["wall_s"] / m["wall_s"],
+            "time_within_10pct": s["wall_s"] <= 1.1 * m["wall_s"],
+        }
         print("\nSmolLM2-135M (fp32 source), 128 x 512 enwiki tokens, default config")
         print(_row(["path", "peak RSS GB", "wall s", "s/block"]))
         print(_row(["---"] * 4))
         for k, label in (("stream", "quantize_pretrained"), ("memory", "load + optq.quantize + optq.save")):
             r = out[k]
-            print(_row([label, f"{r['peak_rss'] / GB:.3f}", f"{r['wall_s']:.1f}", f"{sum(r['block_s']) / len(r['block_s']):.2f}"]))
-        print(f"plan's predicted peak: {out['plan']['peak_ram'] / GB:.3f} GB; stream/in-memory time "
-              f"{out['targets']['time_ratio']:.3f}; identical tensors: {out['identical']['n_differing'] == 0} "
-              f"(files identical: {out['identical']['files_identical']})")
+            print(
+                _row(
+                    [
+                        label,
+                        f"{r['peak_rss'] / GB:.3f}",
+                        f"{r['wall_s']:.1f}",
+                        f"{sum(r['block_s']) / len(r['block_s']):.2f}",
+                    ]
+                )
+            )
+        print(
+            f"plan's predicted peak: {out['plan']['peak_ram'] / GB:.3f} GB; stream/in-memory time "
+            f"{out['targets']['time_ratio']:.3f}; identical tensors: {out['identical']['n_differing'] == 0} "
+            f"(files identical: {out['identical']['files_identical']})"
+        )
     else:
         print("smollm phase failed:", {k: out[k].get("stderr_tail") for k in ("stream", "memory")})
     return out
@@ -268,30 +185,43 @@ def phase_resume(nsamples: int, seqlen: int) -> dict:
     from optq.data.zoo import resolve_model
 
     src = resolve_model("smollm2-135m")
-    job = {"kind": "stream", "source": str(src), "shard": "5GB", "calib": "enwiki", "nsamples": nsamples,
-           "seqlen": seqlen}
+    job = {
+        "kind": "stream",
+        "source": str(src),
+        "shard": "5GB",
+        "calib": "enwiki",
+        "nsamples": nsamples,
+        "seqlen": seqlen,
+    }
     whole_dst, dst = WORK / "smol-whole", WORK / "smol-resume"
     for d in (whole_dst, dst):
-        _rm(d)
-        _rm(d.with_name(d.name + ".partial"))
+        clear_output(d)
+        clear_output(d.with_name(d.name + ".partial"))
     whole = spawn({**job, "out": str(whole_dst)})
     n_blocks = 30
     at = -(-6 * n_blocks // 10)
     killed = spawn({**job, "out": str(dst)}, kill_at=(dst.with_name(dst.name + ".partial") / "state.json", at))
     state = json.loads((dst.with_name(dst.name + ".partial") / "state.json").read_text())
     resumed = spawn({**job, "out": str(dst), "resume": True})
-    out = {"nsamples": nsamples, "seqlen": seqlen, "whole": whole,
-           "killed": {k: v for k, v in killed.items() if k != "stderr_tail"}, "done_at_kill": state["done"],
-           "resumed": resumed}
+    out = {
+        "nsamples": nsamples,
+        "seqlen": seqlen,
+        "whole": whole,
+        "killed": {k: v for k, v in killed.items() if k != "stderr_tail"},
+        "done_at_kill": state["done"],
+        "resumed": resumed,
+    }
     if resumed["rc"] == 0 and whole.get("rc") == 0:
         out["remainder_ratio_wall"] = resumed["elapsed_s"] / whole["elapsed_s"]
         out["remainder_ratio_cpu"] = resumed["cpu_s"] / whole["cpu_s"]
         out["identical"] = tensors_identical(dst, whole_dst)
-        print(f"\nresume ({nsamples} x {seqlen} tokens): killed after {state['done']}/{n_blocks} blocks; the resumed "
-              f"remainder took {out['remainder_ratio_cpu']:.3f}x the CPU time of a whole run "
-              f"({out['remainder_ratio_wall']:.3f}x its wall time; target <= 0.8x); identical to the "
-              f"uninterrupted output: {out['identical']['n_differing'] == 0} (files "
-              f"{out['identical']['files_identical']}); peak RSS of the resumed run {resumed['peak_rss'] / GB:.3f} GB")
+        print(
+            f"\nresume ({nsamples} x {seqlen} tokens): killed after {state['done']}/{n_blocks} blocks; the resumed "
+            f"remainder took {out['remainder_ratio_cpu']:.3f}x the CPU time of a whole run "
+            f"({out['remainder_ratio_wall']:.3f}x its wall time; target <= 0.8x); identical to the "
+            f"uninterrupted output: {out['identical']['n_differing'] == 0} (files "
+            f"{out['identical']['files_identical']}); peak RSS of the resumed run {resumed['peak_rss'] / GB:.3f} GB"
+        )
     else:
         print("resume phase failed:", resumed.get("stderr_tail"), whole.get("stderr_tail"))
     return out
@@ -311,19 +241,31 @@ def phase_cgroup(layers: int, limit: float, nsamples: int, seqlen: int) -> dict:
         out = {"layers": layers, "source_bytes": weights, "limit": int(limit), "nsamples": nsamples, "seqlen": seqlen}
         dst = WORK / f"out-cg-{layers}"
         for kind in ("stream", "memory"):
-            _rm(dst)
-            job = {"kind": kind, "source": str(src), "out": str(dst), "shard": "200MB", "calib": "random",
-                   "nsamples": nsamples, "seqlen": seqlen}
+            clear_output(dst)
+            job = {
+                "kind": kind,
+                "source": str(src),
+                "out": str(dst),
+                "shard": "200MB",
+                "calib": "random",
+                "nsamples": nsamples,
+                "seqlen": seqlen,
+            }
             out[kind] = spawn(job, cgroup=group)
             out[kind]["stderr_tail"] = out[kind].get("stderr_tail", "")[-300:]
         out["max_usage"] = int((group / "memory.max_usage_in_bytes").read_text())
         out["plan"] = predicted(src, nsamples, seqlen, "200MB")
-        _rm(dst)
+        clear_output(dst)
         s, m = out["stream"], out["memory"]
-        print(f"\ncgroup v1 memory limit {limit / GB:.2f} GB; model {layers} layers, {weights / GB:.2f} GB bf16 "
-              f"({2 * weights / GB:.2f} GB in float32)")
-        print(f"  streaming: rc {s['rc']}" + (f", peak RSS {s['peak_rss'] / GB:.3f} GB, {s['wall_s']:.0f} s"
-                                             if s["rc"] == 0 else "") + f"; plan's peak {out['plan']['peak_ram'] / GB:.3f} GB")
+        print(
+            f"\ncgroup v1 memory limit {limit / GB:.2f} GB; model {layers} layers, {weights / GB:.2f} GB bf16 "
+            f"({2 * weights / GB:.2f} GB in float32)"
+        )
+        print(
+            f"  streaming: rc {s['rc']}"
+            + (f", peak RSS {s['peak_rss'] / GB:.3f} GB, {s['wall_s']:.0f} s" if s["rc"] == 0 else "")
+            + f"; plan's peak {out['plan']['peak_ram'] / GB:.3f} GB"
+        )
         print(f"  in-memory (load + optq.quantize): rc {m['rc']}" + (" (killed by the limit)" if m["rc"] == -9 else ""))
         return out
     finally:  # our workers have exited: the group is empty
@@ -351,8 +293,14 @@ def main() -> int:
     phases = args.phases.split(",")
     prior = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if "depth" in phases:
-        save("depth", {"nsamples": args.nsamples, "seqlen": args.seqlen,
-                       **phase_depth([int(x) for x in args.layers.split(",")], args.nsamples, args.seqlen)})
+        save(
+            "depth",
+            {
+                "nsamples": args.nsamples,
+                "seqlen": args.seqlen,
+                **phase_depth([int(x) for x in args.layers.split(",")], args.nsamples, args.seqlen),
+            },
+        )
     if "smollm" in phases:
         prior["smollm"] = phase_smollm()
         save("smollm", prior["smollm"])

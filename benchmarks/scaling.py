@@ -29,10 +29,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-RATES = {"forward_flops": 300e12, "hessian_flops": 50e12, "solve_unit_s": 5e-13, "allreduce_Bps": 150e9,
-         "gather_Bps": 2e9}
-ANCHORS = {"Llama-3-8B": "llm-compressor GPTQ: 745 / 372 / 264 s on 1 / 2 / 4 GPUs",
-           "DeepSeek-V3 (671B MoE)": "MoE-Quant: about 2 hours on 8 H100s"}
+RATES = {
+    "forward_flops": 300e12,
+    "hessian_flops": 50e12,
+    "solve_unit_s": 5e-13,
+    "allreduce_Bps": 150e9,
+    "gather_Bps": 2e9,
+}
+ANCHORS = {
+    "Llama-3-8B": "llm-compressor GPTQ: 745 / 372 / 264 s on 1 / 2 / 4 GPUs",
+    "DeepSeek-V3 (671B MoE)": "MoE-Quant: about 2 hours on 8 H100s",
+}
 
 
 def stages(listing: list[dict]) -> list[list[dict]]:
@@ -59,7 +66,11 @@ def block_time(listing: list[dict], n: int, fwd_hess: float) -> dict[str, float]
         for row in stage:  # linears sharing one H: an expert's gate and up, or q/k/v
             parts = expert_parts(row["name"])
             groups.setdefault(f"{parts[0]}.{parts[1]}" if parts else "dense", []).append(row)
-        costs = [(r["in"] ** 3 / len(g) + r["out"] * r["in"] ** 2) * RATES["solve_unit_s"] for g in groups.values() for r in g]
+        costs = [
+            (r["in"] ** 3 / len(g) + r["out"] * r["in"] ** 2) * RATES["solve_unit_s"]
+            for g in groups.values()
+            for r in g
+        ]
         load = [0.0] * n
         for c, r in zip(costs, Dist(n, 0).assign(costs)):
             load[r] += c
@@ -71,9 +82,10 @@ def block_time(listing: list[dict], n: int, fwd_hess: float) -> dict[str, float]
 
 
 def main() -> None:
+    from plan_table import MODELS
+
     import optq
     from optq.pipeline.planning import plan
-    from plan_table import MODELS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nsamples", type=int, default=128)
@@ -85,8 +97,13 @@ def main() -> None:
     print(f"{args.nsamples} x {args.seqlen} calibration tokens, 4-bit g128; assumed rates {RATES}")
     print("| model | N=1 | N=2 | N=4 | N=8 | parallel fraction at N=1 | anchor |\n|---|---|---|---|---|---|---|")
     for name in ("Llama-3-8B", "Llama-3-70B", "DeepSeek-V3 (671B MoE)"):
-        p = plan(MODELS[name], nsamples=args.nsamples, seqlen=args.seqlen, config=config,
-                 speed={"flops": 1.0, "solve_unit": 1.0})
+        p = plan(
+            MODELS[name],
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
+            config=config,
+            speed={"flops": 1.0, "solve_unit": 1.0},
+        )
         n_blocks = len(p.blocks)
         fwd = p.seconds["forwards"] / RATES["forward_flops"] + p.seconds["hessians"] / RATES["hessian_flops"]
         times = {}

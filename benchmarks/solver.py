@@ -12,6 +12,7 @@ import argparse
 import json
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +22,9 @@ from optq.core.factor import inverse_factor
 from optq.core.synthetic import correlated_inputs
 
 
-def classic_gptq(W: torch.Tensor, H: torch.Tensor, bits: int = 4, group: int = 128, act_order: bool = False) -> torch.Tensor:
+def classic_gptq(
+    W: torch.Tensor, H: torch.Tensor, bits: int = 4, group: int = 128, act_order: bool = False
+) -> torch.Tensor:
     """The textbook blocked GPTQ as usually written (for a same-run speed reference only):
     Cholesky, cholesky_inverse, upper Cholesky; a [rows, 128] block updated column by column
     with rank-one updates; symmetric grid fitted on the group's columns at each group start."""
@@ -94,11 +97,14 @@ def main() -> None:
     rows = []
     for act_order in (False, True):
         cfg = optq.QuantConfig(bits=4, group_size=128, sym=True, act_order=act_order, static_groups=False)
-        t_solve, sol = timed(lambda: optq.gptq(W, H, cfg), args.repeat)
+        t_solve, sol = timed(partial(optq.gptq, W, H, cfg), args.repeat)
         # The textbook loop needs flushed denormals to run at speed (as its authors advise).
         torch.set_flush_denormal(True)
-        t_classic, q_classic = (float("nan"), sol.weight) if args.skip_classic else timed(
-            lambda: classic_gptq(W, H, act_order=act_order), 1)
+        t_classic, q_classic = (
+            (float("nan"), sol.weight)
+            if args.skip_classic
+            else timed(partial(classic_gptq, W, H, act_order=act_order), 1)
+        )
         torch.set_flush_denormal(False)
         rtn_loss = optq.objective(W, optq.rtn(W, cfg).weight, H)
         floor = (n**3 / 3 + n**3 + lazy_flops) / (gflops * 1e9)
@@ -121,15 +127,29 @@ def main() -> None:
         )
 
     print(f"GPTQ solver, {n}x{n} fp32, 4-bit g128 sym, H from {args.tokens} correlated tokens")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, matmul {gflops:.0f} GFLOP/s, "
-          f"Hessian {t_h:.2f} s")
-    head = ("act_order", "solve s", "classic s", "speedup", "factor s", "lazy GEMM s", "rest s",
-            "GFLOP/s", "rel err optq", "rel err classic", "rel err rtn")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, matmul {gflops:.0f} GFLOP/s, "
+        f"Hessian {t_h:.2f} s"
+    )
+    head = (
+        "act_order",
+        "solve s",
+        "classic s",
+        "speedup",
+        "factor s",
+        "lazy GEMM s",
+        "rest s",
+        "GFLOP/s",
+        "rel err optq",
+        "rel err classic",
+        "rel err rtn",
+    )
     print(" | ".join(head))
     for r in rows:
         print(
-            f"{str(r['act_order']):>9} | {r['solve_s']:7.2f} | {r['classic_s']:9.2f} | {r['speedup_vs_classic']:6.1f}x | "
-            f"{r['factorisation_s']:8.2f} | {r['lazy_gemm_floor_s']:11.2f} | {r['rest_s']:6.2f} | {r['solve_gflops']:7.0f} | "
+            f"{str(r['act_order']):>9} | {r['solve_s']:7.2f} | {r['classic_s']:9.2f} | "
+            f"{r['speedup_vs_classic']:6.1f}x | {r['factorisation_s']:8.2f} | {r['lazy_gemm_floor_s']:11.2f} | "
+            f"{r['rest_s']:6.2f} | {r['solve_gflops']:7.0f} | "
             f"{r['rel_error_gptq']:12.3e} | {r['rel_error_classic']:15.3e} | {r['rel_error_rtn']:11.3e}"
         )
     print(
@@ -140,8 +160,14 @@ def main() -> None:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"size": n, "tokens": args.tokens, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "matmul_gflops": gflops, "machine": platform.processor() or platform.machine()}
+    meta = {
+        "size": n,
+        "tokens": args.tokens,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "matmul_gflops": gflops,
+        "machine": platform.processor() or platform.machine(),
+    }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
 

@@ -39,6 +39,8 @@ _EXPORTS = {
     "unpack": "formats.packing",
     "QuantLinear": "formats.qlinear",
     "quantize": "pipeline.blocks.loop",
+    "quantize_pretrained": "pipeline.stream.quantize",
+    "RunSettings": "pipeline.settings",
     "Report": "pipeline.report",
     "save": "formats.checkpoint",
     "load": "formats.checkpoint",

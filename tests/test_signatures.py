@@ -49,8 +49,9 @@ def test_no_function_below_the_entry_points_takes_more_than_eight_parameters():
     assert not over, f"functions with more than {LIMIT} parameters (pass a settings object): {over}"
     # The allowed ones exist (a rename would otherwise leave a stale exemption).
     assert set(too_many(PACKAGE)) <= ALLOWED | set(over)
-    assert {k.split(":")[0] for k in ALLOWED} <= {f"optq/{p.relative_to(PACKAGE).as_posix()}"
-                                                   for p in PACKAGE.rglob("*.py")}
+    assert {k.split(":")[0] for k in ALLOWED} <= {
+        f"optq/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*.py")
+    }
 
 
 def test_the_check_sees_a_planted_long_signature(tmp_path):

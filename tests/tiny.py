@@ -19,19 +19,24 @@ def _config(arch: str):
     common = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64)
     if arch in ("llama", "mistral", "qwen2"):
         cls = {"llama": t.LlamaConfig, "mistral": t.MistralConfig, "qwen2": t.Qwen2Config}[arch]
-        return cls(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                   num_key_value_heads=2, **common)
+        return cls(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, **common)
     if arch == "gemma3":
         # Sliding window shorter than the calibration windows, and one layer of each kind, so
         # the two blocks receive different masks and rotary tables.
-        return t.Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=8, sliding_window=8,
-                                  layer_types=["sliding_attention", "full_attention"], **common)
+        return t.Gemma3TextConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+        )
     if arch == "gpt2":
         return t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     if arch == "opt":
-        return t.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
-                           **common)
+        return t.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32, **common)
     if arch == "phi":
         return t.PhiConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, **common)
     raise KeyError(arch)
@@ -65,8 +70,9 @@ def run(model: nn.Module, **kw):
     return optq.quantize(model, kw.pop("calib", tokens(n=6, seqlen=16)), kw.pop("config", CFG), **kw)
 
 
-def assert_on_static_grid(name: str, original: torch.Tensor, weight: torch.Tensor, sol, bits: int,
-                          group_size: int, tol: float = 1e-4) -> None:
+def assert_on_static_grid(
+    name: str, original: torch.Tensor, weight: torch.Tensor, sol, bits: int, group_size: int, tol: float = 1e-4
+) -> None:
     """Check a quantized weight against a symmetric grid computed here, independently of the
     library, from the ORIGINAL weight: with static groups each group's grid is fitted up front,
     so scale = 2·absmax/maxq over the row's group of original columns and zero = 2^(bits-1).

@@ -1,13 +1,21 @@
 """Tiny randomly initialised mixture-of-experts causal LMs, built in the tests (no download):
 Mixtral, Qwen2-MoE (shared expert + shared_expert_gate), Qwen3-MoE, DeepSeek-V3 (a dense first
 layer, shared + routed experts, MLA attention), and a custom Llama whose MLPs are top-1
-``nn.ModuleList`` experts where one expert is routed only the marked token and one never."""
+``nn.ModuleList`` experts where one expert is routed only the marked token and one never; and
+the quantize call the MoE pipeline tests share."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from tiny import CFG
 from torch import nn
+
+import optq
+from optq.formats.experts import unfuse_experts
+from optq.formats.linears import find_linears
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,22 +30,52 @@ ALL = [*FUSED, "custom"]
 
 def _config(arch: str):
     t = transformers
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, num_hidden_layers=2)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_hidden_layers=2,
+    )
     if arch == "mixtral":
         return t.MixtralConfig(intermediate_size=16, num_local_experts=EXPERTS, num_experts_per_tok=2, **common)
     if arch == "qwen2_moe":
-        return t.Qwen2MoeConfig(intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1, **common)
+        return t.Qwen2MoeConfig(
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            **common,
+        )
     if arch == "qwen3_moe":
-        return t.Qwen3MoeConfig(intermediate_size=32, moe_intermediate_size=16, num_experts=EXPERTS,
-                                num_experts_per_tok=2, head_dim=8, **common)
+        return t.Qwen3MoeConfig(
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            head_dim=8,
+            **common,
+        )
     if arch == "deepseek_v3":
-        return t.DeepseekV3Config(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=EXPERTS,
-                                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-                                  qk_nope_head_dim=8, v_head_dim=8,
-                                  **{**common, "num_key_value_heads": 4})
+        return t.DeepseekV3Config(
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            n_routed_experts=EXPERTS,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            **{**common, "num_key_value_heads": 4},
+        )
     if arch == "custom":
         return t.LlamaConfig(intermediate_size=16, **common)
     raise KeyError(arch)
@@ -105,3 +143,20 @@ def tokens(n: int = 6, seqlen: int = 16, seed: int = 1, mark_last: bool = True) 
     if mark_last:
         ids[-1, seqlen // 2] = MARK
     return ids
+
+
+def quantize(arch: str, ids: torch.Tensor | None = None, **kw):
+    """A tiny ``arch`` model quantized at ``CFG`` (on 16 x 32 ``tokens`` unless ``ids``, batches of
+    4, no progress bars): (model, report, its weights before, under the quantized names)."""
+    model = build(arch)
+    unfuse_experts(model)  # as quantize does first, so the original weights have the same names
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    kw.setdefault("progress", False)
+    kw.setdefault("batch_size", 4)
+    report = optq.quantize(model, tokens(n=16, seqlen=32) if ids is None else ids, CFG, **kw)
+    return model, report, original
+
+
+def expert_linears(model) -> dict[str, nn.Module]:
+    """The model's expert linears (``....experts.<e>.<leaf>``) by name."""
+    return {n: m for n, m in find_linears(model).items() if re.search(r"\.experts\.\d+\.", n)}

@@ -36,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="optq", description="GPTQ post-training weight quantization for language models."
     )
     parser.add_argument("--version", action="version", version=f"optq {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output; tracebacks of errors")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output; tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -50,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         # -v also after the subcommand (optq quantize ... -v); SUPPRESS: unless given there,
         # the subcommand leaves the value parsed before it alone.
         if not {"-v", "--verbose"} & set(command._option_string_actions):
-            command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                                 help="more log output; tracebacks of errors")
+            command.add_argument(
+                "-v",
+                "--verbose",
+                action="count",
+                default=argparse.SUPPRESS,
+                help="more log output; tracebacks of errors",
+            )
     return parser
 
 
@@ -63,8 +67,10 @@ def check_text_source(source: str) -> None:
 
     if source.startswith("hf:") or is_corpus_name(source) or Path(source).expanduser().is_file():
         return
-    raise CliError(f"{source!r} is not a known corpus or a file; known corpora: "
-                   f"{', '.join(known_corpora())}; or give a .txt or .jsonl file, or hf:DATASET[:CONFIG]")
+    raise CliError(
+        f"{source!r} is not a known corpus or a file; known corpora: "
+        f"{', '.join(known_corpora())}; or give a .txt or .jsonl file, or hf:DATASET[:CONFIG]"
+    )
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:

@@ -31,8 +31,11 @@ def register(subparsers: Any) -> None:
     g.add_argument("--asym", dest="sym", action="store_false", default=True, help="asymmetric grid")
     g.add_argument("--damp", type=float, default=0.01)
     c = p.add_argument_group("data")
-    c.add_argument("--calib", default="enwiki", help="calibration corpus or file, or several joined by "
-                   "commas (equal shares of --nsamples) (default enwiki)")
+    c.add_argument(
+        "--calib",
+        default="enwiki",
+        help="calibration corpus or file, or several joined by commas (equal shares of --nsamples) (default enwiki)",
+    )
     c.add_argument("--data", default="enwiki", help="comma-separated evaluation corpora (default enwiki)")
     c.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
     c.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
@@ -40,7 +43,9 @@ def register(subparsers: Any) -> None:
     c.add_argument("--seed", type=int, default=0, help="seed of the calibration draw (default 0)")
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--device", default=None)
-    c.add_argument("--json", type=Path, help="write the results here (default compare.json)", default=Path("compare.json"))
+    c.add_argument(
+        "--json", type=Path, help="write the results here (default compare.json)", default=Path("compare.json")
+    )
     c.add_argument("--plot", type=Path, help="write a PNG bar chart here (default: beside --json)")
     c.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
@@ -71,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
         }
     except (OSError, ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from None
-    print(f"{args.model}: calibration {args.calib} {tuple(calib.shape)}, evaluation "
-          + ", ".join(f"{c} {tuple(w.shape)}" for c, w in evaluation.items())
-          + f", BOS per window: {'yes' if bos is not None else 'no'}")
+    print(
+        f"{args.model}: calibration {args.calib} {tuple(calib.shape)}, evaluation "
+        + ", ".join(f"{c} {tuple(w.shape)}" for c, w in evaluation.items())
+        + f", BOS per window: {'yes' if bos is not None else 'no'}"
+    )
     rows: list[dict[str, Any]] = []
 
     def show(res: Any, _model: Any) -> None:
@@ -81,12 +88,27 @@ def run(args: argparse.Namespace) -> int:
         print(table(rows, corpora), flush=True)
 
     t0 = time.perf_counter()
-    compare(model, variants, calib, evaluation, batch_size=args.batch_size, device=args.device,
-            progress=not args.no_progress, on_result=show)
+    compare(
+        model,
+        variants,
+        calib,
+        evaluation,
+        batch_size=args.batch_size,
+        device=args.device,
+        progress=not args.no_progress,
+        on_result=show,
+    )
     result = {
-        "model": args.model, "calib": args.calib, "nsamples": args.nsamples, "seqlen": args.seqlen,
-        "seed": args.seed, "windows": args.windows, "bos": bos, "corpora": corpora,
-        "variants": rows, "seconds": time.perf_counter() - t0,
+        "model": args.model,
+        "calib": args.calib,
+        "nsamples": args.nsamples,
+        "seqlen": args.seqlen,
+        "seed": args.seed,
+        "windows": args.windows,
+        "bos": bos,
+        "corpora": corpora,
+        "variants": rows,
+        "seconds": time.perf_counter() - t0,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

@@ -29,9 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "held-out enwiki and German text, print the table, save the checkpoint. About 6-8 min "
         "on 2 CPU cores with the defaults.",
     )
-    p.add_argument("-o", "--output", type=Path, default=Path("optq-demo"),
-                   help="folder of the checkpoint, with its comparison JSON, plot and report page "
-                   "(default ./optq-demo, replaced)")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("optq-demo"),
+        help="folder of the checkpoint, with its comparison JSON, plot and report page (default ./optq-demo, replaced)",
+    )
     p.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
     p.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--windows", type=int, default=20, help="evaluation windows per corpus (default 20)")
@@ -73,14 +77,19 @@ def run_model(args: argparse.Namespace) -> int:
     bos = zoo.eval_bos_id(MODEL, tokenizer, model.config)
     try:
         calib = data.calibration_tokens(data.load_tokens("enwiki", tokenizer, "calib"), args.nsamples, args.seqlen, 0)
-        evaluation = {c: data.eval_windows(data.load_tokens(c, tokenizer, "eval"), args.seqlen, args.windows, bos_id=bos)
-                      for c in corpus_names}
+        evaluation = {
+            c: data.eval_windows(data.load_tokens(c, tokenizer, "eval"), args.seqlen, args.windows, bos_id=bos)
+            for c in corpus_names
+        }
     except ValueError as exc:
         raise CliError(str(exc)) from None
     config = QuantConfig(bits=4, group_size=128)
     variants = [parse_variant(v, config) for v in ("fp", "rtn", "gptq")]
-    print(f"calibration: {args.nsamples} x {args.seqlen} enwiki tokens; evaluation: {args.windows} x "
-          f"{args.seqlen} tokens of {', '.join(corpus_names)}; settings: {config}", flush=True)
+    print(
+        f"calibration: {args.nsamples} x {args.seqlen} enwiki tokens; evaluation: {args.windows} x "
+        f"{args.seqlen} tokens of {', '.join(corpus_names)}; settings: {config}",
+        flush=True,
+    )
     print(_estimate(model, args, len(corpus_names), len(variants), config), flush=True)
     print(LEGEND, flush=True)
     rows: list[dict[str, Any]] = []
@@ -96,26 +105,40 @@ def run_model(args: argparse.Namespace) -> int:
             print(f"saved the GPTQ checkpoint to {out}", flush=True)
 
     compare(model, variants, calib, evaluation, progress=not args.no_progress, on_result=show)
-    result = {"model": MODEL, "calib": "enwiki", "nsamples": args.nsamples, "seqlen": args.seqlen,
-              "windows": args.windows, "corpora": corpus_names, "variants": rows,
-              "seconds": time.perf_counter() - t0}
+    result = {
+        "model": MODEL,
+        "calib": "enwiki",
+        "nsamples": args.nsamples,
+        "seqlen": args.seqlen,
+        "windows": args.windows,
+        "corpora": corpus_names,
+        "variants": rows,
+        "seconds": time.perf_counter() - t0,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     plotted = plot(result, out / "compare.png")
     disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    print(f"\nperplexity (lower is better; in brackets the increase over fp). Wrote {out / 'compare.json'}"
-          + (f" and {out / 'compare.png'}" if plotted else "") + f"; {result['seconds'] / 60:.1f} min in all.")
+    print(
+        f"\nperplexity (lower is better; in brackets the increase over fp). Wrote {out / 'compare.json'}"
+        + (f" and {out / 'compare.png'}" if plotted else "")
+        + f"; {result['seconds'] / 60:.1f} min in all."
+    )
     if disk:
-        print(f"size on disk: {disk / 1e6:.0f} MB, against {saved.get('fp_bytes', 0) / 1e6:.0f} MB for the fp32 model "
-              f"({saved.get('fp_bytes', 0) / disk:.1f}x smaller); inspect it with `optq inspect {out}`.")
+        print(
+            f"size on disk: {disk / 1e6:.0f} MB, against {saved.get('fp_bytes', 0) / 1e6:.0f} MB for the fp32 model "
+            f"({saved.get('fp_bytes', 0) / disk:.1f}x smaller); inspect it with `optq inspect {out}`."
+        )
     _write_report(out)
     return 0
 
 
-LEGEND = ("fp = the model as released, in floating point (no quantization); rtn = every weight rounded "
-          "to nearest on the 4-bit grid; gptq = GPTQ, rounding that compensates each error with the "
-          "weights not yet rounded. Each row gives perplexity on held-out text (lower is better) and, "
-          "in brackets, the increase over fp.")
+LEGEND = (
+    "fp = the model as released, in floating point (no quantization); rtn = every weight rounded "
+    "to nearest on the 4-bit grid; gptq = GPTQ, rounding that compensates each error with the "
+    "weights not yet rounded. Each row gives perplexity on held-out text (lower is better) and, "
+    "in brackets, the increase over fp."
+)
 
 
 def _estimate(model: Any, args: argparse.Namespace, corpora: int, variants: int, config: Any) -> str:
@@ -124,15 +147,25 @@ def _estimate(model: Any, args: argparse.Namespace, corpora: int, variants: int,
 
     try:
         speed = machine_speed()
-        quantize = sum(plan(model.config, nsamples=args.nsamples, seqlen=args.seqlen, config=config,
-                            source_dtype=model.dtype, speed=speed).seconds.values())
+        quantize = sum(
+            plan(
+                model.config,
+                nsamples=args.nsamples,
+                seqlen=args.seqlen,
+                config=config,
+                source_dtype=model.dtype,
+                speed=speed,
+            ).seconds.values()
+        )
     except Exception as exc:  # an estimate is no reason to stop the demo
         return f"(no time estimate: {exc})"
     params = sum(p.numel() for p in model.parameters())
     evaluate = variants * corpora * args.windows * args.seqlen * 2 * params / speed["flops"]
     minutes = (quantize + evaluate) / 60
-    return (f"estimated time on this machine: about {minutes:.0f} min (+-50%; measured 5.3 min on 2 idle "
-            "CPU cores, longer while other work shares them)")
+    return (
+        f"estimated time on this machine: about {minutes:.0f} min (+-50%; measured 5.3 min on 2 idle "
+        "CPU cores, longer while other work shares them)"
+    )
 
 
 def _write_report(out: Path) -> None:
@@ -169,7 +202,9 @@ def run_layer(args: argparse.Namespace) -> int:
             sol = optq.gptq(W, H, cfg)
             dt = time.perf_counter() - t
             rtn = optq.objective(W, optq.rtn(W, cfg).weight, H)
-            print(f"{bits:>4} {str(act_order):>9} {rtn / energy:12.3e} {sol.loss / energy:12.3e} "
-                  f"{sol.loss / rtn:9.3f} {dt:8.2f}")
+            print(
+                f"{bits:>4} {str(act_order):>9} {rtn / energy:12.3e} {sol.loss / energy:12.3e} "
+                f"{sol.loss / rtn:9.3f} {dt:8.2f}"
+            )
     print("rel.err = ||(W - Ŵ)X||² / ||WX||² on the calibration inputs (lower is better)")
     return 0

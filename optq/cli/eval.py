@@ -21,15 +21,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "predicts L-1).",
     )
     p.add_argument("model", help="built-in name (smollm2-135m, gemma3-270m), model folder, .gguf file or hub id")
-    p.add_argument("--data", default="enwiki",
-                   help="comma-separated corpora or files: enwiki, news, pydoc, code, debref-<lang>, "
-                        "FILE.txt, FILE.jsonl, hf:DATASET[:CONFIG] (default: enwiki)")
+    p.add_argument(
+        "--data",
+        default="enwiki",
+        help="comma-separated corpora or files: enwiki, news, pydoc, code, debref-<lang>, "
+        "FILE.txt, FILE.jsonl, hf:DATASET[:CONFIG] (default: enwiki)",
+    )
     p.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--windows", type=int, default=40, help="windows per corpus; 0 = all (default 40)")
-    p.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
-                   help="start each window with BOS; auto = what the model needs (Gemma yes, SmolLM2 no)")
-    p.add_argument("--part", choices=("eval", "calib", "all"), default="eval",
-                   help="which part of each corpus (default eval; 'all' only for files)")
+    p.add_argument(
+        "--bos",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="start each window with BOS; auto = what the model needs (Gemma yes, SmolLM2 no)",
+    )
+    p.add_argument(
+        "--part",
+        choices=("eval", "calib", "all"),
+        default="eval",
+        help="which part of each corpus (default eval; 'all' only for files)",
+    )
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl files")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -81,26 +92,47 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from exc
         t0 = time.perf_counter()
         try:
-            result = perplexity_detail(model, tokens, seqlen=args.seqlen, windows=args.windows or None,
-                                       bos_id=bos_id, batch_size=args.batch_size,
-                                       progress=not args.no_progress, device=args.device)
+            result = perplexity_detail(
+                model,
+                tokens,
+                seqlen=args.seqlen,
+                windows=args.windows or None,
+                bos_id=bos_id,
+                batch_size=args.batch_size,
+                progress=not args.no_progress,
+                device=args.device,
+            )
         except NonFiniteLogitsError as exc:
             what = "NaN" if math.isnan(exc.value) else "infinite"
             raise CliError(f"perplexity on {name} is {what}: {exc}") from exc
         except ValueError as exc:
             raise CliError(f"{name}: {exc}") from exc
         if not math.isfinite(result.perplexity):
-            raise CliError(f"perplexity on {name} is {result.perplexity}: the mean NLL of "
-                           f"{result.mean_nll:.4g} nats overflows; the checkpoint may be corrupt")
-        rows.append({"corpus": name, "part": args.part, "text_tokens": int(tokens.numel()),
-                     **result.to_dict(), "seconds": round(time.perf_counter() - t0, 2)})
+            raise CliError(
+                f"perplexity on {name} is {result.perplexity}: the mean NLL of "
+                f"{result.mean_nll:.4g} nats overflows; the checkpoint may be corrupt"
+            )
+        rows.append(
+            {
+                "corpus": name,
+                "part": args.part,
+                "text_tokens": int(tokens.numel()),
+                **result.to_dict(),
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+        )
     print(f"model {args.model}   seqlen {args.seqlen}   BOS per window: {'yes' if bos_id is not None else 'no'}")
     print(f"{'corpus':<22} {'windows':>7} {'tokens':>9} {'perplexity':>11} {'seconds':>8}")
     for r in rows:
         print(f"{r['corpus']:<22} {r['windows']:>7} {r['tokens']:>9} {r['perplexity']:>11.3f} {r['seconds']:>8.1f}")
     if args.json:
-        payload = {"model": str(args.model), "seqlen": args.seqlen, "bos_id": bos_id,
-                   "load_seconds": round(load_s, 2), "results": rows}
+        payload = {
+            "model": str(args.model),
+            "seqlen": args.seqlen,
+            "bos_id": bos_id,
+            "load_seconds": round(load_s, 2),
+            "results": rows,
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")

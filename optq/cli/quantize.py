@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from . import CliError, check_text_source
+from .summary import summary
 
 __all__ = ["register", "run", "config_from_args", "settings_from_args"]
 
@@ -37,83 +37,161 @@ def register(subparsers: Any) -> None:
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
     g = p.add_argument_group("quantization (one flag per QuantConfig field)")
     g.add_argument("--bits", type=int, choices=BITS, default=4, help="code width (default 4)")
-    g.add_argument("--group-size", type=int, default=128,
-                   help="input channels per scale/zero; -1 = per output channel (default 128)")
+    g.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        help="input channels per scale/zero; -1 = per output channel (default 128)",
+    )
     sym = g.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="sym", action="store_true", default=True,
-                     help="symmetric grid (default)")
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric grid (default)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric grid")
-    g.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
-                   help="quantize columns by descending H diagonal (default on)")
-    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --act-order, fit group grids up front so g_idx stays k // group size "
-                   "(default: on with --act-order)")
-    g.add_argument("--normalize-tokens", action=argparse.BooleanOptionalAction, default=True,
-                   help="every calibration token at unit RMS in the Hessian (default on)")
+    g.add_argument(
+        "--act-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="quantize columns by descending H diagonal (default on)",
+    )
+    g.add_argument(
+        "--static-groups",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --act-order, fit group grids up front so g_idx stays k // group size (default: on with --act-order)",
+    )
+    g.add_argument(
+        "--normalize-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every calibration token at unit RMS in the Hessian (default on)",
+    )
     g.add_argument("--damp", type=float, default=0.01, help="damping, fraction of mean diag(H)")
-    g.add_argument("--diag-shrink", type=float, default=0.0, metavar="S",
-                   help="shrink H toward its diagonal, (1-S)H + S diag(H): 0 plain GPTQ (default), "
-                   "1 round-to-nearest; guards against calibration text unlike the served text")
-    g.add_argument("--damp-max", type=float, default=1.0,
-                   help="largest damping tried when H cannot be factorised (default 1.0)")
+    g.add_argument(
+        "--diag-shrink",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="shrink H toward its diagonal, (1-S)H + S diag(H): 0 plain GPTQ (default), "
+        "1 round-to-nearest; guards against calibration text unlike the served text",
+    )
+    g.add_argument(
+        "--damp-max", type=float, default=1.0, help="largest damping tried when H cannot be factorised (default 1.0)"
+    )
     g.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block width")
     g.add_argument("--mse", action="store_true", help="search shrunken grid ranges (slower)")
     g.add_argument("--mse-grid", type=int, default=100, help="shrink steps of the --mse search")
     g.add_argument("--mse-maxshrink", type=float, default=0.8, help="largest range cut by --mse")
     g.add_argument("--mse-norm", type=float, default=2.0, help="error exponent of --mse")
     c = p.add_argument_group("calibration and run")
-    c.add_argument("--calib", default=DEFAULT_CALIB, metavar="NAME|FILE",
-                   help=f"built-in corpus name, .txt or .jsonl file, or several joined by commas "
-                   f"(e.g. enwiki,debref-de,code: equal shares of --nsamples) (default {DEFAULT_CALIB})")
+    c.add_argument(
+        "--calib",
+        default=DEFAULT_CALIB,
+        metavar="NAME|FILE",
+        help=f"built-in corpus name, .txt or .jsonl file, or several joined by commas "
+        f"(e.g. enwiki,debref-de,code: equal shares of --nsamples) (default {DEFAULT_CALIB})",
+    )
     c.add_argument("--nsamples", type=int, default=128, help="calibration windows (default 128)")
     c.add_argument("--seqlen", type=int, default=512, help="tokens per window (default 512)")
     c.add_argument("--seed", type=int, default=0, help="seed of the window draw (default 0)")
-    c.add_argument("--propagate", choices=("quantized", "original"), default="quantized",
-                   help="next block's inputs from the quantized (default) or original model")
+    c.add_argument(
+        "--propagate",
+        choices=("quantized", "original"),
+        default="quantized",
+        help="next block's inputs from the quantized (default) or original model",
+    )
     c.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="default gptq")
-    c.add_argument("--strategy", choices=("pause", "replay"), default="replay",
-                   help="replay: re-run the block per group, least memory (default); "
-                   "pause: pause every batch's forward per group, ~13%% less time, several x the memory")
+    c.add_argument(
+        "--strategy",
+        choices=("pause", "replay"),
+        default="replay",
+        help="replay: re-run the block per group, least memory (default); "
+        "pause: pause every batch's forward per group, ~13%% less time, several x the memory",
+    )
     c.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
-    c.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="dtype of the block forwards (default: float32 on CPU, the model's on CUDA)")
+    c.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the block forwards (default: float32 on CPU, the model's on CUDA)",
+    )
     c.add_argument("--batch-size", type=int, default=8, help="windows per block forward (default 8)")
-    c.add_argument("--include", action="append", metavar="PATTERN",
-                   help="quantize only matching linears (wildcards or re:REGEX; repeatable)")
+    c.add_argument(
+        "--include",
+        action="append",
+        metavar="PATTERN",
+        help="quantize only matching linears (wildcards or re:REGEX; repeatable)",
+    )
     c.add_argument("--exclude", action="append", metavar="PATTERN", help="skip matching linears")
     m = p.add_argument_group("mixture of experts (see docs/moe.md)")
-    m.add_argument("--moe-calibration", choices=("routed", "all"), default="all",
-                   help="each expert's Hessian from every calibration token (default; the block's "
-                        "output keeps the true routing), or from the tokens routed to it")
-    m.add_argument("--moe-min-tokens", type=int, default=None, metavar="N",
-                   help="with routed: an expert routed fewer tokens is starved and takes the all-token "
-                        "Hessian (default: the layer's input width)")
-    m.add_argument("--moe-weighting", choices=("none", "routing"), default="none",
-                   help="weigh an expert's tokens by their squared routing weight (default none)")
-    m.add_argument("--max-hessian-memory", default=None, metavar="SIZE",
-                   help="memory for one stage of experts' Hessians, e.g. 8GB; more experts are "
-                        "collected in chunks, one block forward each (default: a quarter of RAM)")
-    c.add_argument("--hessian-dtype", choices=("float32", "float64"), default="float32",
-                   help="float64 sums Hessians exactly enough that batch order and size do not change "
-                        "the weights (slower Hessian products)")
+    m.add_argument(
+        "--moe-calibration",
+        choices=("routed", "all"),
+        default="all",
+        help="each expert's Hessian from every calibration token (default; the block's "
+        "output keeps the true routing), or from the tokens routed to it",
+    )
+    m.add_argument(
+        "--moe-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with routed: an expert routed fewer tokens is starved and takes the all-token "
+        "Hessian (default: the layer's input width)",
+    )
+    m.add_argument(
+        "--moe-weighting",
+        choices=("none", "routing"),
+        default="none",
+        help="weigh an expert's tokens by their squared routing weight (default none)",
+    )
+    m.add_argument(
+        "--max-hessian-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory for one stage of experts' Hessians, e.g. 8GB; more experts are "
+        "collected in chunks, one block forward each (default: a quarter of RAM)",
+    )
+    c.add_argument(
+        "--hessian-dtype",
+        choices=("float32", "float64"),
+        default="float32",
+        help="float64 sums Hessians exactly enough that batch order and size do not change "
+        "the weights (slower Hessian products)",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--format", choices=("gptq", "gptq_v2", "compressed-tensors"), default="gptq",
-                   help="gptq (v1, what most loaders read; default), gptq_v2, or compressed-tensors "
-                   "(pack-quantized, as llm-compressor writes and vLLM reads)")
-    o.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="largest output file, e.g. 2GB (default 5GB; one shard is held in memory "
-                   "while it is written)")
-    c.add_argument("--offload-activations", action="store_true",
-                   help="keep the calibration activations in a memory-mapped file in OUT.partial/ "
-                   "instead of RAM (for nsamples x seqlen x hidden larger than memory; CPU only)")
-    o.add_argument("--resume", action="store_true",
-                   help="continue the interrupted run in OUT.partial/ (same model, data and flags)")
-    o.add_argument("--overwrite", action="store_true",
-                   help="replace OUT if it exists, and start an unfinished OUT.partial/ again")
+    o.add_argument(
+        "--format",
+        choices=("gptq", "gptq_v2", "compressed-tensors"),
+        default="gptq",
+        help="gptq (v1, what most loaders read; default), gptq_v2, or compressed-tensors "
+        "(pack-quantized, as llm-compressor writes and vLLM reads)",
+    )
+    o.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest output file, e.g. 2GB (default 5GB; one shard is held in memory while it is written)",
+    )
+    c.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep the calibration activations in a memory-mapped file in OUT.partial/ "
+        "instead of RAM (for nsamples x seqlen x hidden larger than memory; CPU only)",
+    )
+    o.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in OUT.partial/ (same model, data and flags)",
+    )
+    o.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it exists, and start an unfinished OUT.partial/ again"
+    )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    o.add_argument("--dry-run", action="store_true",
-                   help="print the plan (blocks and linears, predicted peak RAM by term, disk, a "
-                   "rough time) without reading any weight, and stop")
+    o.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (blocks and linears, predicted peak RAM by term, disk, a "
+        "rough time) without reading any weight, and stop",
+    )
     p.set_defaults(func=run)
 
 
@@ -123,11 +201,20 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     try:
         return QuantConfig(
-            bits=args.bits, group_size=args.group_size, sym=args.sym, act_order=args.act_order,
+            bits=args.bits,
+            group_size=args.group_size,
+            sym=args.sym,
+            act_order=args.act_order,
             static_groups=args.act_order if args.static_groups is None else args.static_groups,
-            damp=args.damp, damp_max=args.damp_max, normalize_tokens=args.normalize_tokens,
-            block_size=args.block_size, mse=args.mse, mse_grid=args.mse_grid,
-            mse_maxshrink=args.mse_maxshrink, mse_norm=args.mse_norm, diag_shrink=args.diag_shrink,
+            damp=args.damp,
+            damp_max=args.damp_max,
+            normalize_tokens=args.normalize_tokens,
+            block_size=args.block_size,
+            mse=args.mse,
+            mse_grid=args.mse_grid,
+            mse_maxshrink=args.mse_maxshrink,
+            mse_norm=args.mse_norm,
+            diag_shrink=args.diag_shrink,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -190,16 +277,30 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     try:
         return RunSettings(
-            nsamples=args.nsamples, seqlen=args.seqlen, seed=args.seed, batch_size=args.batch_size,
-            method=args.method, propagate=args.propagate, strategy=args.strategy, include=args.include,
-            exclude=args.exclude, device=args.device, compute_dtype=args.compute_dtype,
-            hessian_dtype=args.hessian_dtype, moe_calibration=args.moe_calibration,
-            moe_min_tokens=args.moe_min_tokens, moe_weighting=args.moe_weighting,
-            max_hessian_memory=args.max_hessian_memory, format=args.format, max_shard_size=args.max_shard_size,
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            method=args.method,
+            propagate=args.propagate,
+            strategy=args.strategy,
+            include=args.include,
+            exclude=args.exclude,
+            device=args.device,
+            compute_dtype=args.compute_dtype,
+            hessian_dtype=args.hessian_dtype,
+            moe_calibration=args.moe_calibration,
+            moe_min_tokens=args.moe_min_tokens,
+            moe_weighting=args.moe_weighting,
+            max_hessian_memory=args.max_hessian_memory,
+            format=args.format,
+            max_shard_size=args.max_shard_size,
             offload_activations=args.offload_activations,
         )
     except ValueError as exc:
-        raise CliError(f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}" if "=" in str(exc) else str(exc)) from None
+        raise CliError(
+            f"--{str(exc).split('=')[0].replace('_', '-')}: {exc}" if "=" in str(exc) else str(exc)
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,9 +333,17 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokens = _calibration_tokens(args.calib, tokenizer, args)
     load_s = time.perf_counter() - t0
-    report = quantize_pretrained(folder, out, tokens, config, settings=settings, resume=args.resume,
-                                 overwrite=args.overwrite, progress=not args.no_progress,
-                                 provenance={"model": args.model, "calib": args.calib})
+    report = quantize_pretrained(
+        folder,
+        out,
+        tokens,
+        config,
+        settings=settings,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        provenance={"model": args.model, "calib": args.calib},
+    )
     if dist.rank != 0:  # rank 0 speaks for the run
         return 0
     print(summary(report))
@@ -258,50 +367,3 @@ def _dry_run(folder: Path, config: Any, settings: Any) -> int:
         raise CliError(str(exc)) from None
     print(the_plan.format())
     return 0
-
-
-def summary(report: Any) -> str:
-    """A table of the report, one row per kind of layer (e.g. self_attn.q_proj) over all blocks."""
-    kinds: dict[str, list[Any]] = {}
-    for name, row in report.layers.items():
-        parts = re.sub(r"\.experts\.\d+\.", ".experts.", name).split(".")
-        kinds.setdefault(".".join(parts[-2:]), []).append(row)
-    head = (f"{'layer':<22}{'count':>6}{'objective':>12}{'rtn':>12}{'obj/rtn':>9}{'worst':>8}"
-            f"{'rel err':>10}{'out/rtn':>9}")
-    lines = [head, "-" * len(head)]
-    for kind, rows in kinds.items():
-        ratios = [r.objective / r.rtn_objective for r in rows if r.rtn_objective > 0]
-        mean = sum(ratios) / len(ratios) if ratios else float("nan")
-        worst = max(ratios, default=float("nan"))
-        outs = [r.output_error / r.rtn_output_error for r in rows
-                if r.output_error is not None and r.rtn_output_error]
-        lines.append(
-            f"{kind:<22}{len(rows):>6}{sum(r.objective for r in rows) / len(rows):>12.4g}"
-            f"{sum(r.rtn_objective for r in rows) / len(rows):>12.4g}{mean:>9.3f}{worst:>8.3f}"
-            f"{sum(r.relative_error for r in rows) / len(rows):>10.2e}"
-            f"{sum(outs) / len(outs) if outs else float('nan'):>9.3f}"
-        )
-    t = report.totals
-    ratio = t["mean_objective_ratio"]
-    lines.append("-" * len(head))
-    lines.append(
-        f"{t['layers']} layers in {t['blocks']} blocks, {t['parameters']:,} weights, "
-        f"mean objective / round-to-nearest = {ratio:.3f}" if ratio is not None else
-        f"{t['layers']} layers in {t['blocks']} blocks"
-    )
-    lines.append(f"layers worse than round-to-nearest: {t['layers_worse_than_rtn']}; "
-                 f"quantize time {report.seconds:.1f} s")
-    if report.config.get("normalize_tokens"):
-        lines.append("objective: on unit-RMS tokens (what GPTQ minimised); out/rtn: plain output "
-                     "error |ΔWx|² against round-to-nearest's, on a sample of the tokens")
-    by_reason: dict[str, list[tuple[str, str]]] = {}
-    for name, why in {**report.skipped, **report.fallbacks}.items():
-        by_reason.setdefault(re.sub(r"\d+", "N", why), []).append((name, why))
-    for items in by_reason.values():  # one line per kind of reason: 256 starved experts are one note
-        names = [n for n, _ in items]
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        vary = " (numbers vary by layer)" if len({w for _, w in items}) > 1 else ""
-        lines.append(f"note: {shown}: {items[0][1]}{vary}")
-    if by_reason:
-        lines.append("every layer and its reason: quantization_report.json (optq report draws it)")
-    return "\n".join(lines)

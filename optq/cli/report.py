@@ -19,8 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="a folder written by optq")
     p.add_argument("-o", "--output", type=Path, help="the HTML file (default CHECKPOINT/report.html)")
-    p.add_argument("--eval", dest="evaluations", type=Path, action="append", metavar="FILE",
-                   help="a JSON of optq compare/demo or optq eval --json (repeatable; default: found beside)")
+    p.add_argument(
+        "--eval",
+        dest="evaluations",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="a JSON of optq compare/demo or optq eval --json (repeatable; default: found beside)",
+    )
     p.add_argument("--no-figures", action="store_true", help="tables only (no matplotlib needed)")
     p.set_defaults(func=run)
 
@@ -32,8 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from optq.formats.files import CheckpointError
 
     if not args.no_figures and not figures.available():
-        raise CliError('optq report draws its figures with matplotlib: pip install "optq[plot]" '
-                       "(or pass --no-figures for tables only)")
+        raise CliError(
+            'optq report draws its figures with matplotlib: pip install "optq[plot]" '
+            "(or pass --no-figures for tables only)"
+        )
     try:
         path = write_page(args.checkpoint, args.output, args.evaluations, figures=not args.no_figures)
     except (PageError, CheckpointError) as exc:

@@ -20,11 +20,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def inverse_factor(
-    H: torch.Tensor,
-    damp: float,
-    damp_max: float,
-    order: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
+    H: torch.Tensor, damp: float, damp_max: float, order: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, float, torch.Tensor]:
     """Upper Cholesky factor U of the damped inverse Hessian, in the quantization order.
 

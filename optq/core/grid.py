@@ -63,9 +63,7 @@ def fit(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tenso
     return scale, zero
 
 
-def _rounding_error(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig
-) -> torch.Tensor:
+def _rounding_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig) -> torch.Tensor:
     s, z = scale.unsqueeze(1), zero.unsqueeze(1)
     err = (fake_quantize(w, s, z, config.maxq) - w).abs_()
     return err.pow_(config.mse_norm).sum(dim=1)

@@ -79,13 +79,14 @@ class Hessian:
         if weight is not None:
             weight = weight.reshape(-1).to(device=x.device, dtype=self.dtype)
             if weight.numel() != x.shape[0] or not bool((weight >= 0).all()):
-                raise ValueError(f"weight must hold one non-negative value per token ({x.shape[0]}), "
-                                 f"got shape {tuple(weight.shape)}")
+                raise ValueError(
+                    f"weight must hold one non-negative value per token ({x.shape[0]}), got shape {tuple(weight.shape)}"
+                )
             x = x * weight.sqrt()[:, None]
         self.sum.addmm_(x.T, x)  # in place: no K x K temporary
         self.count += x.shape[0]
 
-    def merge(self, other: "Hessian") -> "Hessian":
+    def merge(self, other: Hessian) -> Hessian:
         """Add another accumulator's tokens into this one (in place); returns self."""
         if not isinstance(other, Hessian) or other.in_features != self.in_features:
             raise ValueError("can only merge a Hessian of the same in_features")
@@ -102,5 +103,7 @@ class Hessian:
         return self.sum * (2.0 / self.count)
 
     def __repr__(self) -> str:
-        return (f"Hessian(in_features={self.in_features}, count={self.count}, dtype={self.dtype}, "
-                f"normalize_tokens={self.normalize_tokens})")
+        return (
+            f"Hessian(in_features={self.in_features}, count={self.count}, dtype={self.dtype}, "
+            f"normalize_tokens={self.normalize_tokens})"
+        )

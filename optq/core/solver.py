@@ -86,9 +86,11 @@ class Solution:
 
     def __repr__(self) -> str:
         rows, cols = self.weight.shape
-        return (f"Solution({rows}x{cols} {self.weight.dtype}, bits={self.config.bits}, "
-                f"groups={self.scales.shape[1]}, loss={self.loss}, damp={self.damp}, "
-                f"codes={'stored' if self._codes is not None else 'from weight'})")
+        return (
+            f"Solution({rows}x{cols} {self.weight.dtype}, bits={self.config.bits}, "
+            f"groups={self.scales.shape[1]}, loss={self.loss}, damp={self.damp}, "
+            f"codes={'stored' if self._codes is not None else 'from weight'})"
+        )
 
     def dequantize(self) -> torch.Tensor:
         """Recompute the weight (in the scales' dtype) from codes, scales, zeros and g_idx."""
@@ -302,7 +304,10 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
 
 
 def _solution(
-    W: torch.Tensor, H: torch.Tensor | None, grid_parts: tuple[torch.Tensor, ...], damp: float | None,
+    W: torch.Tensor,
+    H: torch.Tensor | None,
+    grid_parts: tuple[torch.Tensor, ...],
+    damp: float | None,
     config: QuantConfig,
 ) -> Solution:
     """The Solution of ``W`` from ``grid_parts`` = (codes, scales, zeros, g_idx, perm), with its

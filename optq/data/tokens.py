@@ -20,17 +20,19 @@ from typing import Any
 
 import torch
 
-from optq.data.corpora import (
-    CorpusError,
-    Split,
-    corpus_parts,
-    is_corpus_name,
-    known_corpora,
-    split_text,
-)
+from optq.data.corpora import CorpusError, Split, corpus_parts, is_corpus_name, known_corpora, split_text
 
-__all__ = ["load_text", "tokenize", "load_tokens", "calibration_tokens", "mixed_calibration", "split_sources",
-           "calibration_windows", "eval_windows", "FILE_SPLIT"]
+__all__ = [
+    "load_text",
+    "tokenize",
+    "load_tokens",
+    "calibration_tokens",
+    "mixed_calibration",
+    "split_sources",
+    "calibration_windows",
+    "eval_windows",
+    "FILE_SPLIT",
+]
 
 log = logging.getLogger("optq.data")
 
@@ -52,7 +54,7 @@ def load_text(name_or_path: str | Path, part: str = "calib", *, field: str = "te
         raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
     key = str(name_or_path)
     if key.startswith(HF_PREFIX):
-        return _hf_text(key[len(HF_PREFIX):], part, field)
+        return _hf_text(key[len(HF_PREFIX) :], part, field)
     if is_corpus_name(key):
         calib, evaluation = corpus_parts(key)
         if part == "all":
@@ -159,8 +161,9 @@ def mixed_calibration(streams: list[torch.Tensor], nsamples: int, seqlen: int, s
     if not streams:
         raise ValueError("mixed calibration needs at least one token stream")
     if nsamples < len(streams):
-        raise ValueError(f"nsamples={nsamples} cannot be shared by {len(streams)} calibration sources; "
-                         f"give at least {len(streams)}")
+        raise ValueError(
+            f"nsamples={nsamples} cannot be shared by {len(streams)} calibration sources; give at least {len(streams)}"
+        )
     shares = [nsamples // len(streams) + (i < nsamples % len(streams)) for i in range(len(streams))]
     return torch.cat([calibration_tokens(t, n, seqlen, seed + i) for i, (t, n) in enumerate(zip(streams, shares))])
 
@@ -182,8 +185,9 @@ def calibration_windows(spec: str, tokenizer: Any, nsamples: int, seqlen: int, s
     return mixed_calibration(streams, nsamples, seqlen, seed)
 
 
-def eval_windows(tokens_1d: torch.Tensor, seqlen: int, windows: int | None = None,
-                 bos_id: int | None = None) -> torch.Tensor:
+def eval_windows(
+    tokens_1d: torch.Tensor, seqlen: int, windows: int | None = None, bos_id: int | None = None
+) -> torch.Tensor:
     """Consecutive non-overlapping windows from the start: LongTensor ``[windows, seqlen]``.
 
     Without ``bos_id`` each window holds ``seqlen`` text tokens; with it, each window is

@@ -20,8 +20,7 @@ _REF_PAIR = re.compile(r"<ref\b[^>/]*(?:/(?!>)[^>/]*)*>.*?</ref\s*>", _FLAGS)
 _REF_SINGLE = re.compile(r"<ref\b[^>]*/>", _FLAGS)
 # Tags whose content is not prose either (formulas, galleries, source listings...).
 _DROP_BLOCKS = re.compile(
-    r"<(math|gallery|timeline|syntaxhighlight|source|score|imagemap|references)\b[^>]*>.*?</\1\s*>",
-    _FLAGS,
+    r"<(math|gallery|timeline|syntaxhighlight|source|score|imagemap|references)\b[^>]*>.*?</\1\s*>", _FLAGS
 )
 _TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")  # innermost only; applied until nothing changes
 _TABLE = re.compile(r"\{\|(?:(?!\{\|).)*?\|\}", re.DOTALL)  # innermost table

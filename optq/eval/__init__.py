@@ -1,2 +1,1 @@
-"""Measuring quality: perplexity and side-by-side comparisons of quantization variants.
-"""
+"""Measuring quality: perplexity and side-by-side comparisons of quantization variants."""

@@ -82,8 +82,10 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             changes["diag_shrink"] = float(mod.removeprefix("shrink"))
         else:
             raise ValueError(f"unknown modifier {mod!r} in {spec!r}: {VARIANT_HELP}")
-    if method == "rtn" and (set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}
-                            or any(m.startswith("shrink") for m in mods)):
+    if method == "rtn" and (
+        set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}
+        or any(m.startswith("shrink") for m in mods)
+    ):
         raise ValueError(f"{spec!r}: act-order, propagation modes and H shrinking apply to gptq only")
     return Variant(name=spec.strip(), method=method, config=dataclasses.replace(base, **changes), propagate=propagate)
 
@@ -173,14 +175,23 @@ def compare(
             res.quantize_s = time.perf_counter() - t
         elif v.method != "fp":
             t = time.perf_counter()
-            report = quantize(model, calibration, v.config, method=v.method, propagate=v.propagate,
-                              progress=progress, batch_size=batch_size, device=device)
+            report = quantize(
+                model,
+                calibration,
+                v.config,
+                method=v.method,
+                propagate=v.propagate,
+                progress=progress,
+                batch_size=batch_size,
+                device=device,
+            )
             res.quantize_s = time.perf_counter() - t
             res.totals = report.totals
             res.report = report
         for corpus, windows in evaluation.items():
-            d = perplexity_detail(model, windows, seqlen=windows.shape[1], batch_size=batch_size,
-                                  progress=progress, device=device)
+            d = perplexity_detail(
+                model, windows, seqlen=windows.shape[1], batch_size=batch_size, progress=progress, device=device
+            )
             res.perplexity[corpus] = d.perplexity
             res.detail[corpus] = d.to_dict()
             log.info("%s on %s: perplexity %.3f", v.name, corpus, d.perplexity)

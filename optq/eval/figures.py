@@ -16,8 +16,18 @@ from typing import Any
 __all__ = ["available", "layer_objectives", "token_concentration", "calibration_shift"]
 
 # Colour per kind of linear (the last part of its name), in a block's usual order.
-_KIND_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                "#bcbd22", "#17becf"]
+_KIND_COLORS = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+]
 
 
 def available() -> bool:
@@ -35,8 +45,15 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "optq", "font.size": 9,
-                         "axes.spines.top": False, "axes.spines.right": False})
+    plt.rcParams.update(
+        {
+            "svg.fonttype": "none",
+            "svg.hashsalt": "optq",
+            "font.size": 9,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    )
     return plt
 
 
@@ -46,7 +63,7 @@ def _svg(fig: Any) -> str:
     fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": "optq"}, bbox_inches="tight")
     plt.close(fig)
     text = buf.getvalue()
-    text = text[text.index("<svg"):]  # drop the XML prolog and doctype: the element is inlined
+    text = text[text.index("<svg") :]  # drop the XML prolog and doctype: the element is inlined
     # Drawn at its natural size; the page's CSS (max-width: 100%) shrinks it on narrow screens.
     return text.replace("<svg ", '<svg role="img" ', 1)
 
@@ -118,13 +135,22 @@ def token_concentration(rows: Sequence[dict[str, Any]]) -> str:
     x = list(range(len(rows)))
     top = [r["calibration"].get("top1pct_share") for r in rows]
     first = [r["calibration"].get("position0_share") for r in rows]
-    ax.plot(x, [v if v is not None else math.nan for v in top], "o-", ms=3, lw=1, color="#d62728",
-            label="top 1% of tokens")
+    ax.plot(
+        x, [v if v is not None else math.nan for v in top], "o-", ms=3, lw=1, color="#d62728", label="top 1% of tokens"
+    )
     if any(v is not None for v in first):
-        ax.plot(x, [v if v is not None else math.nan for v in first], "s-", ms=3, lw=1, color="#1f77b4",
-                label="tokens at position 0")
-        uniform = next((r["calibration"].get("position0_tokens") for r in rows
-                        if r["calibration"].get("position0_tokens")), None)
+        ax.plot(
+            x,
+            [v if v is not None else math.nan for v in first],
+            "s-",
+            ms=3,
+            lw=1,
+            color="#1f77b4",
+            label="tokens at position 0",
+        )
+        uniform = next(
+            (r["calibration"].get("position0_tokens") for r in rows if r["calibration"].get("position0_tokens")), None
+        )
         if uniform:
             ax.axhline(uniform, color="#1f77b4", lw=0.8, ls=":", label=f"equal weight ({uniform:.1%})")
     ax.axhline(0.01, color="#d62728", lw=0.8, ls=":", label="equal weight (1%)")

@@ -82,9 +82,17 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def perplexity_detail(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 512,
-                      windows: int | None = None, bos_id: int | None = None, batch_size: int = 1,
-                      progress: bool = False, device: str | torch.device | None = None) -> PerplexityResult:
+def perplexity_detail(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    seqlen: int = 512,
+    windows: int | None = None,
+    bos_id: int | None = None,
+    batch_size: int = 1,
+    progress: bool = False,
+    device: str | torch.device | None = None,
+) -> PerplexityResult:
     """Like :func:`perplexity`, returning the NLL sum, predicted-token count and window count too."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.dim() == 2 and tokens.shape[0] > 1:
@@ -109,16 +117,17 @@ def perplexity_detail(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: i
             logits = _logits(model(input_ids=batch, use_cache=False))
             # Position t predicts token t+1: drop the last logit row and the first label.
             nll = F.cross_entropy(
-                logits[:, :-1, :].float().reshape(-1, logits.shape[-1]),
-                batch[:, 1:].reshape(-1),
-                reduction="sum",
+                logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
             )
             value = float(nll)
             if not math.isfinite(value):
                 # A NaN/Inf logit poisons the mean: stop at the first such batch.
                 raise NonFiniteLogitsError(
                     f"the model produced non-finite logits (NaN/Inf) in {_windows(start, batch, n_windows)}; "
-                    "the checkpoint may be corrupt", value=value, window=start)
+                    "the checkpoint may be corrupt",
+                    value=value,
+                    window=start,
+                )
             nll_sum += value
     finally:
         model.train(was_training)
@@ -127,8 +136,9 @@ def perplexity_detail(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: i
         ppl = math.exp(nll_sum / count)
     except OverflowError:  # finite logits, but a mean NLL above ~709 nats
         ppl = math.inf
-    return PerplexityResult(perplexity=ppl, nll_sum=nll_sum, tokens=count,
-                            windows=n_windows, seqlen=length, bos_id=bos_id)
+    return PerplexityResult(
+        perplexity=ppl, nll_sum=nll_sum, tokens=count, windows=n_windows, seqlen=length, bos_id=bos_id
+    )
 
 
 def _windows(start: int, batch: torch.Tensor, total: int) -> str:
@@ -136,9 +146,17 @@ def _windows(start: int, batch: torch.Tensor, total: int) -> str:
     return f"window {last} of {total}" if last == start + 1 else f"windows {start + 1}..{last} of {total}"
 
 
-def perplexity(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 512,
-               windows: int | None = None, bos_id: int | None = None, batch_size: int = 1,
-               progress: bool = False, device: str | torch.device | None = None) -> float:
+def perplexity(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    *,
+    seqlen: int = 512,
+    windows: int | None = None,
+    bos_id: int | None = None,
+    batch_size: int = 1,
+    progress: bool = False,
+    device: str | torch.device | None = None,
+) -> float:
     """exp(mean NLL per predicted token) over consecutive non-overlapping windows of ``tokens``.
 
     ``tokens``: a 1-D token sequence, cut by :func:`optq.data.tokens.eval_windows` into ``windows``
@@ -152,5 +170,13 @@ def perplexity(model: torch.nn.Module, tokens: torch.Tensor, *, seqlen: int = 51
     (``config.max_position_embeddings``), and :class:`NonFiniteLogitsError` (a ValueError) as
     soon as a batch's logits hold NaN or Inf.
     """
-    return perplexity_detail(model, tokens, seqlen=seqlen, windows=windows, bos_id=bos_id,
-                             batch_size=batch_size, progress=progress, device=device).perplexity
+    return perplexity_detail(
+        model,
+        tokens,
+        seqlen=seqlen,
+        windows=windows,
+        bos_id=bos_id,
+        batch_size=batch_size,
+        progress=progress,
+        device=device,
+    ).perplexity

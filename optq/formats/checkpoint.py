@@ -31,19 +31,10 @@ import torch
 from torch import nn
 
 from optq.formats import compressed_tensors as checkpoint_ct
+from optq.formats.atomic import atomic_folder
 from optq.formats.experts import checkpoint_namer, unfuse_experts
-from optq.formats.files import (
-    atomic_folder,
-    read_index,
-    read_tensors,
-    write_json,
-    write_safetensors,
-)
-from optq.formats.gptq_config import (
-    CheckpointError,
-    check_gptq_config,
-    quantized_layers,
-)
+from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
+from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
 from optq.formats.layout import Scheme, quantization_config
 from optq.formats.packing import FORMATS
 from optq.formats.qlinear import QuantLinear
@@ -69,8 +60,9 @@ def layer_namer(names: Callable[[str], str]) -> Callable[[str], str]:
     return name
 
 
-def _state_dict(model: nn.Module, layers: Mapping[str, Mapping[str, torch.Tensor]],
-                names: Callable[[str], str]) -> dict[str, torch.Tensor]:
+def _state_dict(
+    model: nn.Module, layers: Mapping[str, Mapping[str, torch.Tensor]], names: Callable[[str], str]
+) -> dict[str, torch.Tensor]:
     """Model tensors with quantized layers replaced, under checkpoint names (``names``); tied
     duplicates (lm_head) dropped."""
     prefixes = tuple(f"{n}." for n in layers)
@@ -278,8 +270,9 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
 _SCALES = (".scales", ".weight_scale")
 
 
-def _check_values(path: Path, key: str, tensor: torch.Tensor, quantized: bool,
-                  expected: Mapping[str, torch.Tensor]) -> None:
+def _check_values(
+    path: Path, key: str, tensor: torch.Tensor, quantized: bool, expected: Mapping[str, torch.Tensor]
+) -> None:
     """Catch corrupt data before it turns into NaN logits: one reduction per tensor.
 
     Scales of quantized layers must be finite and > 0 (the grids always give a positive scale,
@@ -301,8 +294,9 @@ def _check_values(path: Path, key: str, tensor: torch.Tensor, quantized: bool,
         raise CheckpointError(f"{path}: tensor {key} has {bad}; the file is corrupt, re-save or re-download it")
 
 
-def _checkpoint_keys(own: Mapping[str, torch.Tensor], tensor_name: Callable[[str], str],
-                     quantized: Mapping[str, str]) -> dict[str, str]:
+def _checkpoint_keys(
+    own: Mapping[str, torch.Tensor], tensor_name: Callable[[str], str], quantized: Mapping[str, str]
+) -> dict[str, str]:
     """Model key -> checkpoint key of every tensor in ``own`` (the model's state dict).
 
     A quantized layer's tensors (qweight, ..., bias) sit under its checkpoint name

@@ -93,9 +93,15 @@ def describe(base: Mapping[str, Any], ignore: list[str]) -> dict[str, Any]:
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                      "input_activations": None, "output_activations": None,
-                                      "format": "pack-quantized"}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
         "ignore": ignore,
         "kv_cache_scheme": None,
         "sparsity_config": {},

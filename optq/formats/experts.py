@@ -116,8 +116,17 @@ class ExpertLinears(nn.ModuleList):
     (``optq.pipeline.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
     """
 
-    def __init__(self, layout: ExpertsLayout, act_fn: nn.Module, num_experts: int, hidden: int, inter: int,
-                 *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        layout: ExpertsLayout,
+        act_fn: nn.Module,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         experts = []
         for _ in range(num_experts):
             e = nn.Module()
@@ -137,8 +146,9 @@ class ExpertLinears(nn.ModuleList):
         gate, up = (getattr(ex, leaf)(x) for leaf in self.layout.gate_up)
         return getattr(ex, self.layout.down)(self.act_fn(gate) * up)
 
-    def routes(self, top_k_index: torch.Tensor,
-               top_k_weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor] | None]:
+    def routes(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor] | None]:
         """Per expert ``e``: ``(e, tokens, weights)``, the indices of the tokens routed to it and
         their routing weights as a column, or None when no token is routed to it."""
         with torch.no_grad():
@@ -153,8 +163,9 @@ class ExpertLinears(nn.ModuleList):
             out.append((e, idx, top_k_weights[idx, pos, None]))
         return out
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for route in self.routes(top_k_index, top_k_weights):
             if route is None:
@@ -173,8 +184,13 @@ def _fused_reason(module: nn.Module) -> str | None:
     gu, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
     if gu is None or down is None:
         return "fused experts without gate_up_proj/down_proj"
-    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-             "has_post_expert_norm": False}
+    flags = {
+        "has_gate": True,
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
     odd = [k for k, want in flags.items() if getattr(module, k, want) != want]
     if odd:
         return "fused experts with a layout optq does not unfuse (" + ", ".join(odd) + ")"
@@ -188,8 +204,11 @@ def _fused_reason(module: nn.Module) -> str | None:
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     """Modules holding 3-D (fused) expert weights, by name."""
-    return {name: m for name, m in model.named_modules()
-            if any(p.dim() == 3 for p in m._parameters.values() if p is not None)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if any(p.dim() == 3 for p in m._parameters.values() if p is not None)
+    }
 
 
 def unfuse_experts(model: nn.Module) -> tuple[list[str], dict[str, str]]:
@@ -207,8 +226,7 @@ def unfuse_experts(model: nn.Module) -> tuple[list[str], dict[str, str]]:
     for name, module in fused.items():
         reason = _fused_reason(module)
         if reason is None and layout is None:
-            reason = ("fused experts of a model type whose per-expert checkpoint names transformers does "
-                      "not record")
+            reason = "fused experts of a model type whose per-expert checkpoint names transformers does not record"
         if reason is not None:
             for pname, p in module._parameters.items():
                 if p is not None and p.dim() == 3:

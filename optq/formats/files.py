@@ -3,16 +3,9 @@ and reading tensor headers (shapes and dtypes) without loading data. Never unpic
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
-import glob
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +14,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 __all__ = [
-    "CheckpointError", "move_into_place", "parse_size", "write_safetensors", "read_header", "read_index", "read_tensors", "atomic_folder",
-    "atomic_write", "write_json", "write_safetensors_lazily", "write_safetensors_file", "safetensors_header", "split_shards", "SAFETENSORS_DTYPES", "natural_key",
+    "CheckpointError",
+    "parse_size",
+    "write_safetensors",
+    "read_header",
+    "read_index",
+    "read_tensors",
+    "write_json",
+    "write_safetensors_lazily",
+    "write_safetensors_file",
+    "safetensors_header",
+    "split_shards",
+    "SAFETENSORS_DTYPES",
+    "natural_key",
 ]
 
 
@@ -32,11 +36,30 @@ class CheckpointError(ValueError):
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-SAFETENSORS_DTYPES = {"I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-           "F64": torch.float64, "BOOL": torch.bool}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+SAFETENSORS_DTYPES = {
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "BOOL": torch.bool,
+}
 
 
 def parse_size(size: int | str, what: str = "max_shard_size") -> int:
@@ -80,8 +103,12 @@ def split_shards(sizes: Mapping[str, int], limit: int) -> list[list[str]]:
     return shards
 
 
-def write_safetensors_lazily(folder: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                             fetch: Callable[[str], torch.Tensor], max_shard_size: int | str) -> list[str]:
+def write_safetensors_lazily(
+    folder: Path,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    fetch: Callable[[str], torch.Tensor],
+    max_shard_size: int | str,
+) -> list[str]:
     """Like :func:`write_safetensors`, holding one tensor in memory at a time.
 
     ``specs``: tensor name -> (shape, dtype), in the order to shard; ``fetch(name)`` gives the
@@ -106,8 +133,18 @@ def write_safetensors_lazily(folder: Path, specs: Mapping[str, tuple[tuple[int, 
 # safetensors lays a file's data out by dtype, in the reverse order of its Dtype enum (8-byte
 # kinds first), then by name; following it gives the bytes that ``safetensors.torch.save_file``
 # writes (checked by the tests against the installed safetensors).
-_ORDER = {torch.bool: 0, torch.uint8: 4, torch.int8: 5, torch.int16: 9, torch.float16: 11, torch.bfloat16: 12,
-          torch.int32: 13, torch.float32: 15, torch.float64: 17, torch.int64: 18}
+_ORDER = {
+    torch.bool: 0,
+    torch.uint8: 4,
+    torch.int8: 5,
+    torch.int16: 9,
+    torch.float16: 11,
+    torch.bfloat16: 12,
+    torch.int32: 13,
+    torch.float32: 15,
+    torch.float64: 17,
+    torch.int64: 18,
+}
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
@@ -115,8 +152,9 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
-def safetensors_header(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                       metadata: dict[str, str] | None = None) -> tuple[list[str], bytes]:
+def safetensors_header(
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], metadata: dict[str, str] | None = None
+) -> tuple[list[str], bytes]:
     """The tensors' order in the file, and the file's first bytes: the 8-byte length, then the
     JSON header padded with spaces to a multiple of 8 (the layout ``save_file`` writes)."""
     for name, (_, dtype) in specs.items():
@@ -135,8 +173,12 @@ def safetensors_header(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     return order, len(raw).to_bytes(8, "little") + raw
 
 
-def write_safetensors_file(path: Path, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                           fetch: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def write_safetensors_file(
+    path: Path,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    fetch: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> None:
     """One safetensors file, written one tensor at a time: the header from ``specs`` (name ->
     (shape, dtype)), then each tensor's bytes as ``fetch(name)`` gives it.
 
@@ -151,17 +193,17 @@ def write_safetensors_file(path: Path, specs: Mapping[str, tuple[tuple[int, ...]
         for name in order:
             tensor = fetch(name)
             if tuple(tensor.shape) != tuple(specs[name][0]) or tensor.dtype != specs[name][1]:
-                raise CheckpointError(f"tensor {name}: expected {tuple(specs[name][0])} {specs[name][1]}, "
-                                      f"got {tuple(tensor.shape)} {tensor.dtype}")
+                raise CheckpointError(
+                    f"tensor {name}: expected {tuple(specs[name][0])} {specs[name][1]}, "
+                    f"got {tuple(tensor.shape)} {tensor.dtype}"
+                )
             if tensor.numel():
                 fh.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
             del tensor
 
 
 def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is truncated or corrupt (safetensors: {exc}); re-save or re-download it"
-    )
+    return CheckpointError(f"{path} is truncated or corrupt (safetensors: {exc}); re-save or re-download it")
 
 
 def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
@@ -177,15 +219,12 @@ def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtyp
             files = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(
-                f"{folder / INDEX} is not a safetensors index ({type(exc).__name__}: {exc}); "
-                "re-save or re-download it"
+                f"{folder / INDEX} is not a safetensors index ({type(exc).__name__}: {exc}); re-save or re-download it"
             ) from None
     elif (folder / SINGLE).exists():
         files = [SINGLE]
     else:
-        raise FileNotFoundError(
-            f"{folder} holds neither {SINGLE} nor {INDEX}; optq reads safetensors checkpoints only"
-        )
+        raise FileNotFoundError(f"{folder} holds neither {SINGLE} nor {INDEX}; optq reads safetensors checkpoints only")
     out: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
     for fname in files:
         path = folder / fname
@@ -211,8 +250,9 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return out
 
 
-def read_tensors(folder: Path, index: dict[str, tuple[str, tuple[int, ...], torch.dtype]],
-                 names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(
+    folder: Path, index: dict[str, tuple[str, tuple[int, ...], torch.dtype]], names: list[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for ``names``, opening each file once (CheckpointError when unreadable)."""
     by_file: dict[str, list[str]] = {}
     for n in names:
@@ -229,158 +269,3 @@ def read_tensors(folder: Path, index: dict[str, tuple[str, tuple[int, ...], torc
                     yield k, tensor
         except SafetensorError as exc:
             raise _corrupt(path, exc) from None
-
-
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # renameat2 flags (linux/fs.h)
-_AT_FDCWD = -100
-_FILE_MODE, _DIR_MODE = 0o644, 0o755
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> bool:
-    """Linux ``renameat2(src, dst, flags)``; False where the libc, kernel or filesystem lacks it."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):  # glibc < 2.28, musl
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False  # the kernel or this filesystem cannot do it: the caller falls back
-    raise OSError(err, os.strerror(err), str(src), None, str(dst))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _set_modes(folder: Path) -> None:
-    """Every file 0644, every folder 0755 (``mkstemp`` writes 0600).
-
-    Symbolic links are left alone: chmod would follow them, and a link may dangle (a Debian
-    package unpacked here links into a package it depends on).
-    """
-    os.chmod(folder, _DIR_MODE)
-    for root, dirs, files in os.walk(folder):
-        for name, mode in [*((d, _DIR_MODE) for d in dirs), *((f, _FILE_MODE) for f in files)]:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                os.chmod(path, mode)
-
-
-def _clean_stale(target: Path) -> None:
-    """Remove ``.NAME.optq-tmp-PID`` / ``.NAME.optq-old-PID`` left by runs that crashed.
-
-    Only those whose PID is not a live process on this machine; our own PID's are removed too
-    (left by an earlier crash of a process that had the same PID).
-    """
-    for p in target.parent.glob(f".{glob.escape(target.name)}.optq-*-*"):
-        kind, _, pid = p.name[len(target.name) + 2:].rpartition("-")
-        if kind not in ("optq-tmp", "optq-old") or not pid.isdigit():
-            continue
-        if int(pid) != os.getpid() and _alive(int(pid)):
-            continue
-        _remove(p)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def atomic_folder(target: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside ``target``; on success it replaces ``target``.
-
-    The temporary folder is ``.NAME.optq-tmp-PID`` beside ``target``. On any error it is removed
-    and ``target`` is left as it was. On success every file gets mode 0644 and every folder
-    0755. With ``overwrite`` an existing ``target`` is swapped with the new folder in one step
-    (Linux ``renameat2(RENAME_EXCHANGE)``), so at every moment ``target`` is either the old
-    folder or the new one; the old content (now at the temporary name) is then deleted. Where
-    the exchange is unavailable the old folder is first renamed to ``.NAME.optq-old-PID``
-    (``target`` is briefly absent), put back if the second rename fails, and deleted otherwise.
-    A process killed mid-way can leave ``.NAME.optq-tmp-PID`` or ``-old-PID`` behind (``target``
-    itself is always whole, or absent only in the fallback's gap); the next write to the same
-    ``target`` removes such leftovers of processes that are no longer running.
-    """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass overwrite=True or choose another folder")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(target)
-    tmp = target.parent / f".{target.name}.optq-tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        move_into_place(tmp, target, overwrite)
-    finally:
-        _remove(tmp)  # the failed write, or the old content after an exchange
-
-
-def move_into_place(folder: Path, target: Path, overwrite: bool) -> None:
-    """Make the finished ``folder`` become ``target`` (files 0644, folders 0755).
-
-    A new ``target`` is a plain rename that never clobbers one appearing meanwhile; with
-    ``overwrite`` an existing ``target`` is exchanged with ``folder`` in one step where Linux
-    allows it (the old content is then at ``folder``'s path: the caller removes it), else
-    replaced by two renames as in :func:`atomic_folder`.
-    """
-    folder, target = Path(folder), Path(target)
-    _set_modes(folder)
-    if not target.exists():
-        if not _renameat2(folder, target, _RENAME_NOREPLACE):
-            folder.rename(target)
-    elif not overwrite:
-        raise FileExistsError(f"{target} appeared while writing; pass overwrite=True or choose another folder")
-    elif not _renameat2(folder, target, _RENAME_EXCHANGE):
-        _replace_by_renames(folder, target)
-
-
-def _replace_by_renames(tmp: Path, target: Path) -> None:
-    """The fallback: target -> .old, tmp -> target, delete .old (or put it back on failure)."""
-    old = target.parent / f".{target.name}.optq-old-{os.getpid()}"
-    _remove(old)
-    target.rename(old)
-    replaced = False
-    try:
-        tmp.rename(target)
-        replaced = True
-    finally:
-        if replaced:
-            _remove(old)
-        else:
-            old.rename(target)
-
-
-def atomic_write(path: str | Path, data: str | bytes, *, mode: int = 0o644) -> Path:
-    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file renamed over it.
-
-    Readers see the old file or the new one, never a part; on any error the temporary file is
-    removed. The file gets ``mode`` (ordinary data is world-readable, unlike ``mkstemp``'s 0600).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path

@@ -50,8 +50,15 @@ def quantized_layers(
 def _convert(name: str, layer: QuantLinear, fmt: str) -> QuantLinear:
     if layer.checkpoint_format == fmt:
         return layer
-    out = QuantLinear(layer.in_features, layer.out_features, layer.bits, layer.group_size,
-                      layer.bias is not None, fmt, device=layer.qweight.device)
+    out = QuantLinear(
+        layer.in_features,
+        layer.out_features,
+        layer.bits,
+        layer.group_size,
+        layer.bias is not None,
+        fmt,
+        device=layer.qweight.device,
+    )
     out.load_state_dict(layer.state_dict())
     try:
         out.qzeros.copy_(pack_qzeros(layer.zeros(), layer.bits, fmt))
@@ -61,8 +68,17 @@ def _convert(name: str, layer: QuantLinear, fmt: str) -> QuantLinear:
     return out
 
 
-def describe_gptq(*, bits: int, group_size: int, sym: bool, natural: bool, static_groups: bool, damp: float,
-                  checkpoint_format: str, lm_head: bool = False) -> dict[str, Any]:
+def describe_gptq(
+    *,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    natural: bool,
+    static_groups: bool,
+    damp: float,
+    checkpoint_format: str,
+    lm_head: bool = False,
+) -> dict[str, Any]:
     """The GPTQ ``quantization_config`` with these settings (``optq.formats.layout.quantization_config``
     builds every checkpoint's from a ``Scheme`` through this).
 

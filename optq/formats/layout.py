@@ -58,15 +58,23 @@ class Scheme:
         """The scheme of packed layers (one (bits, group_size) for the whole model)."""
         settings = {(q.bits, q.group_size) for q in layers.values()}
         if len(settings) > 1:
-            raise CheckpointError(f"layers use different (bits, group_size) settings {sorted(settings)}; the "
-                                  "format stores one setting per model")
+            raise CheckpointError(
+                f"layers use different (bits, group_size) settings {sorted(settings)}; the "
+                "format stores one setting per model"
+            )
         first = next(iter(layers.values()))
         configs = [q.quant_config for q in layers.values() if q.quant_config is not None]
         half = 1 << (first.bits - 1)
         sym = all(c.sym for c in configs) if configs else all(bool((q.zeros() == half).all()) for q in layers.values())
-        return cls(first.bits, first.group_size, sym, any(bool(c.static_groups) for c in configs),
-                   configs[0].damp if configs else 0.01, all(is_natural(q) for q in layers.values()),
-                   any(n == "lm_head" or n.endswith(".lm_head") for n in layers))
+        return cls(
+            first.bits,
+            first.group_size,
+            sym,
+            any(bool(c.static_groups) for c in configs),
+            configs[0].damp if configs else 0.01,
+            all(is_natural(q) for q in layers.values()),
+            any(n == "lm_head" or n.endswith(".lm_head") for n in layers),
+        )
 
 
 def quantization_config(scheme: Scheme, fmt: str, ignore: Sequence[str] = ()) -> dict[str, Any]:
@@ -75,17 +83,25 @@ def quantization_config(scheme: Scheme, fmt: str, ignore: Sequence[str] = ()) ->
     checkpoint names. Raises CheckpointError for what the format cannot hold."""
     if fmt not in CHECKPOINT_FORMATS:
         raise CheckpointError(f"format={fmt!r} is unknown; choose one of {CHECKPOINT_FORMATS}")
-    base = describe_gptq(bits=scheme.bits, group_size=scheme.group_size, sym=scheme.sym, natural=scheme.natural,
-                         static_groups=scheme.static_groups, damp=scheme.damp, checkpoint_format=storage_format(fmt),
-                         lm_head=scheme.lm_head)
+    base = describe_gptq(
+        bits=scheme.bits,
+        group_size=scheme.group_size,
+        sym=scheme.sym,
+        natural=scheme.natural,
+        static_groups=scheme.static_groups,
+        damp=scheme.damp,
+        checkpoint_format=storage_format(fmt),
+        lm_head=scheme.lm_head,
+    )
     if fmt != "compressed-tensors":
         return base
     compressed_tensors.check_exportable(base)
     return compressed_tensors.describe(base, sorted(ignore))
 
 
-def packed_layout(fmt: str, shape: tuple[int, int], *, bias: bool, scheme: Scheme,
-                  float_dtype: torch.dtype = torch.float16) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def packed_layout(
+    fmt: str, shape: tuple[int, int], *, bias: bool, scheme: Scheme, float_dtype: torch.dtype = torch.float16
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors one quantized linear of ``shape`` (out, in) is stored as, by suffix: their
     shapes and dtypes. ``float_dtype``: the model's (compressed-tensors keeps scales and bias in
     it; GPTQ formats store float16)."""
@@ -93,18 +109,22 @@ def packed_layout(fmt: str, shape: tuple[int, int], *, bias: bool, scheme: Schem
     bits = scheme.bits
     groups = 1 if scheme.group_size == -1 else math.ceil(K / scheme.group_size)
     if fmt == "compressed-tensors":
-        out = {"weight_packed": ((N, math.ceil(K * bits / 32)), torch.int32),
-               "weight_scale": ((N, groups), float_dtype),
-               "weight_shape": ((2,), torch.int64)}
+        out = {
+            "weight_packed": ((N, math.ceil(K * bits / 32)), torch.int32),
+            "weight_scale": ((N, groups), float_dtype),
+            "weight_shape": ((2,), torch.int64),
+        }
         if not scheme.sym:
             out["weight_zero_point"] = ((math.ceil(N * bits / 32), groups), torch.int32)
         if bias:
             out["bias"] = ((N,), float_dtype)
         return out
-    out = {"qweight": ((packed_length(K, bits), N), torch.int32),
-           "qzeros": ((groups, packed_length(N, bits)), torch.int32),
-           "scales": ((groups, N), torch.float16),
-           "g_idx": ((K,), torch.int32)}
+    out = {
+        "qweight": ((packed_length(K, bits), N), torch.int32),
+        "qzeros": ((groups, packed_length(N, bits)), torch.int32),
+        "scales": ((groups, N), torch.float16),
+        "g_idx": ((K,), torch.int32),
+    }
     if bias:
         out["bias"] = ((N,), torch.float16)
     return out

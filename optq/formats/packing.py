@@ -152,9 +152,7 @@ def unpack(packed: torch.Tensor, bits: int, count: int, dim: int = 0) -> torch.T
 def zero_offset(checkpoint_format: str) -> int:
     """What the format subtracts from a zero point before storing it (1 for v1, 0 for v2)."""
     if checkpoint_format not in FORMATS:
-        raise ValueError(
-            f"unknown checkpoint_format {checkpoint_format!r}; expected one of {FORMATS}"
-        )
+        raise ValueError(f"unknown checkpoint_format {checkpoint_format!r}; expected one of {FORMATS}")
     return 1 if checkpoint_format == "gptq" else 0
 
 
@@ -180,15 +178,11 @@ def pack_qzeros(zeros: torch.Tensor, bits: int, checkpoint_format: str = "gptq")
     if stored.numel() and (int(stored.min()) < 0 or int(stored.max()) > maxq):
         bad = int(zeros.min()) if int(stored.min()) < 0 else int(zeros.max())
         hint = ' (write checkpoint_format="gptq_v2", which stores z itself)' if bad == 0 else ""
-        raise ValueError(
-            f'zero point {bad} cannot be stored as {bits}-bit "{checkpoint_format}"{hint}'
-        )
+        raise ValueError(f'zero point {bad} cannot be stored as {bits}-bit "{checkpoint_format}"{hint}')
     return pack(stored, bits, dim=1)
 
 
-def unpack_qzeros(
-    qzeros: torch.Tensor, bits: int, out_features: int, checkpoint_format: str = "gptq"
-) -> torch.Tensor:
+def unpack_qzeros(qzeros: torch.Tensor, bits: int, out_features: int, checkpoint_format: str = "gptq") -> torch.Tensor:
     """``qzeros`` [G, N*bits/32] -> zero points [N, G] int32 in code units (offset undone)."""
     offset = zero_offset(checkpoint_format)
     return (unpack(qzeros, bits, out_features, dim=1) + offset).t().contiguous()

@@ -8,7 +8,8 @@ The module's ``state_dict`` is the format's tensors (``qweight``, ``qzeros``, ``
 - fast (4-bit, CPU): PyTorch's packed int4 kernel ``_weight_int4pack_mm_for_cpu``, which computes
   ``w = (q - 8) * s + m`` per group, run in ``fast_dtype`` (bfloat16 by default: in torch 2.13
   only its bfloat16 kernel is vectorised; float32 and float16 inputs take a scalar loop about
-  100x slower, measured on this CPU), so outputs match the reference to bfloat16 precision; our ``s * (q - z)`` is that with ``m = s * (8 - z)``. Chosen
+  100x slower, measured on this CPU), so outputs match the reference to bfloat16 precision; our
+  ``s * (q - z)`` is that with ``m = s * (8 - z)``. Chosen
   automatically when the layout allows (out_features % 16 == 0, a kernel group size of 32, 64,
   128 or 256 that divides both the group size and in_features, groups contiguous after sorting
   the input channels by ``g_idx``); the converted weight is built lazily and cached outside the
@@ -87,14 +88,10 @@ class QuantLinear(nn.Module):
         self.register_buffer(
             "qweight", torch.zeros(packed_length(in_features, bits), out_features, dtype=torch.int32, **kw)
         )
-        self.register_buffer(
-            "qzeros", torch.zeros(groups, packed_length(out_features, bits), dtype=torch.int32, **kw)
-        )
+        self.register_buffer("qzeros", torch.zeros(groups, packed_length(out_features, bits), dtype=torch.int32, **kw))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16, **kw))
         self.register_buffer("g_idx", group_index(in_features, group_size, device))
-        self.register_buffer(
-            "bias", torch.zeros(out_features, dtype=torch.float16, **kw) if bias else None
-        )
+        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16, **kw) if bias else None)
         self.quant_config: QuantConfig | None = None  # the solver's settings, when known
         self.use_fast_path = True
         self.fast_dtype = torch.bfloat16
@@ -102,10 +99,7 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_solution(
-        cls,
-        solution: Solution,
-        bias: torch.Tensor | None = None,
-        checkpoint_format: str = "gptq",
+        cls, solution: Solution, bias: torch.Tensor | None = None, checkpoint_format: str = "gptq"
     ) -> QuantLinear:
         """Pack a solver :class:`~optq.core.solver.Solution` (bias: the layer's, or None).
 
@@ -116,8 +110,7 @@ class QuantLinear(nn.Module):
         cfg = solution.config
         stored = solution.codes  # read once: a pipeline's solutions recompute them on access
         rows, cols = stored.shape
-        layer = cls(cols, rows, cfg.bits, cfg.group_size, bias is not None, checkpoint_format,
-                    device=stored.device)
+        layer = cls(cols, rows, cfg.bits, cfg.group_size, bias is not None, checkpoint_format, device=stored.device)
         scales = solution.scales.detach().to(torch.float64)
         scales16 = scales.to(torch.float16)
         if not torch.isfinite(scales16).all():
@@ -212,8 +205,13 @@ class QuantLinear(nn.Module):
         groups = natural[::kernel_group].long()
         s = self.scales.float()[groups]  # [K/kg, N]
         z = self.zeros().t().float()[groups]
-        return {"packed": packed, "group": kernel_group, "perm": perm,
-                "scale_zero": torch.stack([s, s * (8.0 - z)], dim=-1).contiguous(), "by_dtype": {}}
+        return {
+            "packed": packed,
+            "group": kernel_group,
+            "perm": perm,
+            "scale_zero": torch.stack([s, s * (8.0 - z)], dim=-1).contiguous(),
+            "by_dtype": {},
+        }
 
     def _forward_int4(self, x: torch.Tensor) -> torch.Tensor:
         cache = self._fast_cache
@@ -225,21 +223,22 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if cache["perm"] is not None:
             x2 = x2.index_select(1, cache["perm"])
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(dtype).contiguous(), cache["packed"],
-                                                       cache["group"], sz).to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2.to(dtype).contiguous(), cache["packed"], cache["group"], sz
+        ).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}, "
-                f"checkpoint_format={self.checkpoint_format!r}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}, "
+            f"checkpoint_format={self.checkpoint_format!r}"
+        )
 
 
-def replace_linears(
-    model: nn.Module, solutions: Mapping[str, Solution], checkpoint_format: str = "gptq"
-) -> nn.Module:
+def replace_linears(model: nn.Module, solutions: Mapping[str, Solution], checkpoint_format: str = "gptq") -> nn.Module:
     """Replace each named ``nn.Linear``/``Conv1D`` of ``model`` by a QuantLinear, in place.
 
     ``solutions`` maps module names (``model.named_modules()`` keys, as in the pipeline's

@@ -143,14 +143,20 @@ class Report:
         """What the error fields of this report mean (also written to the JSON)."""
         normalized = bool(self.config.get("normalize_tokens", False))
         if normalized:
-            objective = ("½ tr(ΔHΔᵀ), Δ = W - Ŵ, H from tokens scaled to unit RMS: the mean over "
-                         "tokens of K |Δx|² / |x|², each token's output error relative to its "
-                         "activation norm (what the solver minimised; not the output error)")
-            output = ("½ tr(Δ H_plain Δᵀ), H_plain = 2XXᵀ/n of the raw inputs: the mean squared "
-                      "output error |Δx|² per token, on a systematic sample of output_tokens tokens")
+            objective = (
+                "½ tr(ΔHΔᵀ), Δ = W - Ŵ, H from tokens scaled to unit RMS: the mean over "
+                "tokens of K |Δx|² / |x|², each token's output error relative to its "
+                "activation norm (what the solver minimised; not the output error)"
+            )
+            output = (
+                "½ tr(Δ H_plain Δᵀ), H_plain = 2XXᵀ/n of the raw inputs: the mean squared "
+                "output error |Δx|² per token, on a systematic sample of output_tokens tokens"
+            )
         else:
-            objective = ("½ tr(ΔHΔᵀ), Δ = W - Ŵ, H = 2XXᵀ/n: the mean squared output error |Δx|² "
-                         "per token (what the solver minimised)")
+            objective = (
+                "½ tr(ΔHΔᵀ), Δ = W - Ŵ, H = 2XXᵀ/n: the mean squared output error |Δx|² "
+                "per token (what the solver minimised)"
+            )
             output = "the same as objective (tokens are not normalised)"
         return {
             "objective": objective,
@@ -167,8 +173,9 @@ class Report:
         return _finite(
             {
                 "definitions": self.definitions(),
-                "layers": {n: {**asdict(r), "gain": r.gain, "output_gain": r.output_gain}
-                           for n, r in self.layers.items()},
+                "layers": {
+                    n: {**asdict(r), "gain": r.gain, "output_gain": r.output_gain} for n, r in self.layers.items()
+                },
                 "totals": self.totals,
                 "config": self.config,
                 "options": self.options,
@@ -189,9 +196,17 @@ class Report:
         if world <= 1:
             return None
         shares = self.options.get("calibration_shares") or [None] * world
-        return {"world_size": world,
-                "ranks": [{"rank": r, "calibration_samples": shares[r],
-                           "layers_solved": [n for n, o in self.solved_by.items() if o == r]} for r in range(world)]}
+        return {
+            "world_size": world,
+            "ranks": [
+                {
+                    "rank": r,
+                    "calibration_samples": shares[r],
+                    "layers_solved": [n for n, o in self.solved_by.items() if o == r],
+                }
+                for r in range(world)
+            ],
+        }
 
     def save_json(self, path: str | os.PathLike) -> Path:
         """Write ``to_dict()`` as indented JSON to ``path``; returns the path."""

@@ -160,8 +160,9 @@ class RunSettings:
             try:
                 device = torch.device(self.device)
             except (RuntimeError, TypeError) as exc:
-                raise ValueError(f"device={self.device!r} is not a torch device ({exc}); use e.g. 'cpu' or "
-                                 "'cuda'") from None
+                raise ValueError(
+                    f"device={self.device!r} is not a torch device ({exc}); use e.g. 'cpu' or 'cuda'"
+                ) from None
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ValueError(f"device={str(device)!r} asked, but this torch has no usable CUDA; use 'cpu'")
             put("device", str(device))

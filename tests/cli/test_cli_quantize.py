@@ -7,18 +7,13 @@ import json
 
 import pytest
 import torch
+from cli_args import quantize_args
 
 import optq
 from optq.cli import build_parser, main
 
 transformers = pytest.importorskip("transformers")
 from tiny import build  # noqa: E402
-
-
-def _args(root, out, *extra):
-    return ["quantize", str(root / "model"), "-o", str(out), "--calib", str(root / "calib.txt"),
-            "--nsamples", "4", "--seqlen", "16", "--bits", "3", "--group-size", "16",
-            "--no-progress", *extra]
 
 
 def _report_file(folder):
@@ -33,7 +28,7 @@ def _leftovers(folder):
 
 def test_quantize_writes_a_loadable_model_and_report(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
-    assert main(_args(model_dir, out)) == 0
+    assert main(quantize_args(model_dir, out)) == 0
     printed = capsys.readouterr().out
     assert "self_attn.q_proj" in printed and "mean objective / round-to-nearest" in printed
     report = json.loads(_report_file(out).read_text())
@@ -45,13 +40,18 @@ def test_quantize_writes_a_loadable_model_and_report(model_dir, tmp_path, capsys
     from optq.data.zoo import load_model
 
     fp, tok = load_model(model_dir / "model")
-    optq.quantize(fp, load_tokens(model_dir / "calib.txt", tok), optq.QuantConfig(bits=3, group_size=16),
-                  nsamples=4, seqlen=16, progress=False)
+    optq.quantize(
+        fp,
+        load_tokens(model_dir / "calib.txt", tok),
+        optq.QuantConfig(bits=3, group_size=16),
+        nsamples=4,
+        seqlen=16,
+        progress=False,
+    )
     written, _ = load_model(out)
     ids = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(written(input_ids=ids).logits, fp(input_ids=ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(written(input_ids=ids).logits, fp(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(build("llama")(input_ids=ids).logits, fp(input_ids=ids).logits, atol=1e-4)
 
 
@@ -59,10 +59,10 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
     out = tmp_path / "q"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    assert main(_args(model_dir, out)) == 2
+    assert main(quantize_args(model_dir, out)) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
     assert (out / "keep.txt").exists()
-    assert main(_args(model_dir, out, "--overwrite", "--method", "rtn")) == 0
+    assert main(quantize_args(model_dir, out, "--overwrite", "--method", "rtn")) == 0
     assert not (out / "keep.txt").exists() and _report_file(out).exists()
     assert _leftovers(tmp_path) == []
 
@@ -79,35 +79,41 @@ def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch
         monkeypatch.setattr(solver, "gptq", interrupted)
     else:  # Ctrl-C at the checkpoint's last file, just before the folder gets its name
         real = assemble.write_json
-        monkeypatch.setattr(assemble, "write_json", lambda path, obj: interrupted()
-                            if path.name == "quantization_report.json" else real(path, obj))
+        monkeypatch.setattr(
+            assemble,
+            "write_json",
+            lambda path, obj: interrupted() if path.name == "quantization_report.json" else real(path, obj),
+        )
     out = tmp_path / "q"
-    assert main(_args(model_dir, out)) == 130
+    assert main(quantize_args(model_dir, out)) == 130
     # Nothing that looks like a model; the unfinished run waits in OUT.partial for --resume.
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name != "model") == ["q.partial"]
     monkeypatch.undo()
-    assert main(_args(model_dir, out)) == 2  # not without --resume or --overwrite
-    assert main(_args(model_dir, out, "--resume")) == 0
+    assert main(quantize_args(model_dir, out)) == 2  # not without --resume or --overwrite
+    assert main(quantize_args(model_dir, out, "--resume")) == 0
     assert _report_file(out).exists() and not (tmp_path / "q.partial").exists()
     assert _leftovers(tmp_path) == []
 
 
 def test_too_little_calibration_text(model_dir, tmp_path, capsys):
     out = tmp_path / "q"
-    assert main(_args(model_dir, out, "--nsamples", "400")) == 2
+    assert main(quantize_args(model_dir, out, "--nsamples", "400")) == 2
     err = capsys.readouterr().err
     assert "tokens, fewer than nsamples x seqlen = 400 x 16" in err
     assert not out.exists()
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["--bits", "9"], "--bits: invalid choice: 9 (choose from 2, 3, 4, 8)"),
-    (["--bits", "5"], "--bits: invalid choice: 5"),
-    (["--seqlen", "0"], "seqlen=0 is out of range"),
-    (["--include", "nothing"], "matches none"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--bits", "9"], "--bits: invalid choice: 9 (choose from 2, 3, 4, 8)"),
+        (["--bits", "5"], "--bits: invalid choice: 5"),
+        (["--seqlen", "0"], "seqlen=0 is out of range"),
+        (["--include", "nothing"], "matches none"),
+    ],
+)
 def test_bad_flags(model_dir, tmp_path, capsys, extra, match):
-    assert main(_args(model_dir, tmp_path / "q", *extra)) == 2
+    assert main(quantize_args(model_dir, tmp_path / "q", *extra)) == 2
     assert match in capsys.readouterr().err
 
 
@@ -120,17 +126,54 @@ def test_flags_map_one_to_one_onto_quant_config():
     from optq.cli.quantize import config_from_args
 
     parser = build_parser()
-    options = {o for a in parser._subparsers._group_actions[0].choices["quantize"]._actions
-               for o in a.option_strings}
+    options = {o for a in parser._subparsers._group_actions[0].choices["quantize"]._actions for o in a.option_strings}
     for f in dataclasses.fields(optq.QuantConfig):
         assert "--" + f.name.replace("_", "-") in options, f.name
-    args = parser.parse_args(["quantize", "m", "-o", "o", "--bits", "3", "--group-size", "64",
-                              "--asym", "--act-order", "--static-groups", "--damp", "0.05",
-                              "--damp-max", "2", "--block-size", "32", "--mse", "--mse-grid", "50",
-                              "--mse-maxshrink", "0.5", "--mse-norm", "2.4", "--diag-shrink", "0.3"])
+    args = parser.parse_args(
+        [
+            "quantize",
+            "m",
+            "-o",
+            "o",
+            "--bits",
+            "3",
+            "--group-size",
+            "64",
+            "--asym",
+            "--act-order",
+            "--static-groups",
+            "--damp",
+            "0.05",
+            "--damp-max",
+            "2",
+            "--block-size",
+            "32",
+            "--mse",
+            "--mse-grid",
+            "50",
+            "--mse-maxshrink",
+            "0.5",
+            "--mse-norm",
+            "2.4",
+            "--diag-shrink",
+            "0.3",
+        ]
+    )
     assert config_from_args(args) == optq.QuantConfig(
-        bits=3, group_size=64, sym=False, act_order=True, static_groups=True, damp=0.05,
-        damp_max=2.0, block_size=32, mse=True, mse_grid=50, mse_maxshrink=0.5, mse_norm=2.4, diag_shrink=0.3)
+        bits=3,
+        group_size=64,
+        sym=False,
+        act_order=True,
+        static_groups=True,
+        damp=0.05,
+        damp_max=2.0,
+        block_size=32,
+        mse=True,
+        mse_grid=50,
+        mse_maxshrink=0.5,
+        mse_norm=2.4,
+        diag_shrink=0.3,
+    )
     defaults = parser.parse_args(["quantize", "m", "-o", "o"])
     assert config_from_args(defaults) == optq.QuantConfig()
 
@@ -141,7 +184,7 @@ def test_calibration_from_several_sources(model_dir, tmp_path, capsys):
     text = (model_dir / "calib.txt").read_text().splitlines()
     other.write_text("\n".join(reversed(text)))
     out = tmp_path / "q"
-    args = _args(model_dir, out)
+    args = quantize_args(model_dir, out)
     args[args.index("--calib") + 1] = f"{model_dir / 'calib.txt'},{other}"
     assert main(args) == 0
     report = json.loads(_report_file(out).read_text())
@@ -174,8 +217,14 @@ def test_quantize_a_mixture_of_experts_folder(model_dir, tmp_path, capsys):
     (root / "model").symlink_to(folder)
     (root / "calib.txt").write_text((model_dir / "calib.txt").read_text())
     out = tmp_path / "q"
-    assert main(_args(root, out, "--moe-calibration", "routed", "--moe-min-tokens", "1000",
-                      "--max-hessian-memory", "4KB")) == 0
+    assert (
+        main(
+            quantize_args(
+                root, out, "--moe-calibration", "routed", "--moe-min-tokens", "1000", "--max-hessian-memory", "4KB"
+            )
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "experts.w1" in printed  # the summary groups experts by matrix, not by number
     # Every expert starved (64 tokens < 1000): one note for all of them, not one per expert.
@@ -188,5 +237,22 @@ def test_quantize_a_mixture_of_experts_folder(model_dir, tmp_path, capsys):
 
     index = read_index(out)
     assert "model.layers.1.block_sparse_moe.experts.3.w2.qweight" in index
-    assert main(_args(root, tmp_path / "bad", "--max-hessian-memory", "lots")) == 2
+    assert main(quantize_args(root, tmp_path / "bad", "--max-hessian-memory", "lots")) == 2
     assert "--max-hessian-memory" in capsys.readouterr().err
+
+
+def test_dry_run_plans_with_the_run_s_own_settings(model_dir, tmp_path, capsys):
+    """``--dry-run`` gets the same settings object as a run: float64 Hessians double the predicted
+    Hessian memory (the plan used to be built without --hessian-dtype), and nothing is written."""
+
+    def hessian_bytes(*extra: str) -> float:
+        assert main(quantize_args(model_dir, tmp_path / "q", "--dry-run", *extra)) == 0
+        text = capsys.readouterr().out
+        rows = [line.split() for line in text.splitlines() if line.strip().startswith("hessians ")]
+        assert len(rows) == 1, text
+        value, unit = rows[0][1:3]
+        return float(value) * {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
+
+    single, double = hessian_bytes(), hessian_bytes("--hessian-dtype", "float64")
+    assert single > 0 and double == pytest.approx(2 * single, rel=1e-3)
+    assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()

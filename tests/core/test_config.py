@@ -62,8 +62,14 @@ def test_valid_corner_values():
     assert (high.bits, high.group_size, high.maxq, high.damp, high.damp_max) == (8, 1, 255, 0.0, 0.0)
     assert high.static_groups is False  # an explicit False survives act_order=True
     assert QuantConfig(act_order=True).static_groups is True  # the default follows act_order
-    assert high.to_dict() == {**QuantConfig().to_dict(), "bits": 8, "group_size": 1, "damp": 0.0,
-                              "damp_max": 0.0, "static_groups": False}
+    assert high.to_dict() == {
+        **QuantConfig().to_dict(),
+        "bits": 8,
+        "group_size": 1,
+        "damp": 0.0,
+        "damp_max": 0.0,
+        "static_groups": False,
+    }
     assert QuantConfig(**high.to_dict()) == high  # the dict form round-trips
 
 

@@ -20,8 +20,17 @@ def solved(act_order: bool = False, dtype: torch.dtype = torch.float32) -> optq.
 
 def test_built_with_codes_and_read_like_a_record():
     sol = solved()
-    twin = optq.Solution(weight=sol.weight, codes=sol.codes, scales=sol.scales, zeros=sol.zeros,
-                         g_idx=sol.g_idx, perm=sol.perm, loss=sol.loss, damp=sol.damp, config=sol.config)
+    twin = optq.Solution(
+        weight=sol.weight,
+        codes=sol.codes,
+        scales=sol.scales,
+        zeros=sol.zeros,
+        g_idx=sol.g_idx,
+        perm=sol.perm,
+        loss=sol.loss,
+        damp=sol.damp,
+        config=sol.config,
+    )
     assert twin.codes is sol.codes and twin.weight is sol.weight and twin.config is sol.config
     assert (twin.loss, twin.damp) == (sol.loss, sol.damp)
     assert torch.equal(twin.dequantize(), sol.weight)
@@ -102,5 +111,7 @@ def test_fit_groups_is_grid_fit_on_each_natural_group():
         # round-to-nearest and GPTQ's static groups use exactly these grids
         assert torch.equal(optq.rtn(w, cfg).scales, scales)
         if group_size != -1:
-            static = optq.gptq(w, torch.eye(40), optq.QuantConfig(**cfg.to_dict() | {"act_order": True, "static_groups": True}))
+            static = optq.gptq(
+                w, torch.eye(40), optq.QuantConfig(**cfg.to_dict() | {"act_order": True, "static_groups": True})
+            )
             assert torch.equal(static.scales, scales) and torch.equal(static.g_idx, grid.group_index(40, group_size))

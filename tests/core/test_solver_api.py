@@ -49,7 +49,7 @@ def test_half_precision_weights_are_solved_in_float32(dtype):
     # and the float32 grid is really used: dequantizing in the input's dtype is not the same
     # (half-precision scales round away most of the grid's precision)
     g = sol.g_idx.long()
-    in_dtype = (sol.scales.to(dtype)[:, g] * (sol.codes.to(dtype) - sol.zeros.to(dtype)[:, g]))
+    in_dtype = sol.scales.to(dtype)[:, g] * (sol.codes.to(dtype) - sol.zeros.to(dtype)[:, g])
     assert not torch.equal(in_dtype, sol.weight)
 
 
@@ -203,7 +203,9 @@ def test_solver_output_is_byte_identical_on_one_and_two_threads():
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            out[t] = [optq.gptq(W, h.matrix(), optq.QuantConfig(bits=4, group_size=64, act_order=a)) for a in (False, True)]
+            out[t] = [
+                optq.gptq(W, h.matrix(), optq.QuantConfig(bits=4, group_size=64, act_order=a)) for a in (False, True)
+            ]
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(out[1], out[2]):

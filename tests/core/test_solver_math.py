@@ -105,7 +105,14 @@ def textbook_gptq(W: torch.Tensor, H: torch.Tensor, cfg: optq.QuantConfig) -> to
 
 @pytest.mark.parametrize(
     "group_size,act_order,static_groups",
-    [(-1, False, False), (16, False, False), (13, False, False), (16, True, False), (13, True, False), (16, True, True)],
+    [
+        (-1, False, False),
+        (16, False, False),
+        (13, False, False),
+        (16, True, False),
+        (13, True, False),
+        (16, True, True),
+    ],
 )
 def test_blocked_solver_equals_textbook_loop(group_size, act_order, static_groups):
     # Asymmetric grid: a symmetric grid puts ±absmax exactly on a rounding tie (±(2^b - 1)/2),
@@ -162,9 +169,16 @@ def test_growing_damping_approaches_round_to_nearest():
 def test_weight_is_exactly_the_dequantized_codes(method):
     H = hessian_of(correlated(128, 24, seed=9, dtype=torch.float32))
     W = torch.randn(5, 24)
-    cfg = optq.QuantConfig(bits=3, group_size=10, act_order=method != "gptq" and method.startswith("gptq"),
-                           static_groups=method == "gptq-static", sym=False)
-    sol = {"rtn": lambda: optq.rtn(W, cfg), "obq": lambda: optq.obq(W, H, cfg)}.get(method, lambda: optq.gptq(W, H, cfg))()
+    cfg = optq.QuantConfig(
+        bits=3,
+        group_size=10,
+        act_order=method != "gptq" and method.startswith("gptq"),
+        static_groups=method == "gptq-static",
+        sym=False,
+    )
+    sol = {"rtn": lambda: optq.rtn(W, cfg), "obq": lambda: optq.obq(W, H, cfg)}.get(
+        method, lambda: optq.gptq(W, H, cfg)
+    )()
     assert sol.codes.dtype == torch.uint8 and int(sol.codes.max()) <= 7
     for n in range(5):
         for k in range(24):

@@ -34,15 +34,34 @@ def test_strip_wiki_markup_keeps_prose_and_drops_markup():
     assert "History" in text.splitlines()  # heading became a plain line
     assert "The House of Foo ruled from 1200." in text
     assert "See the official site \u2013 and more." in text
-    for junk in ("{{", "}}", "[[", "]]", "<ref", "Smith", "Infobox", "cite web", "hidden", "cell one",
-                 "Map.png", "A map of", "Countries", "'''", "==", "<span", "&ndash;", "http"):
+    for junk in (
+        "{{",
+        "}}",
+        "[[",
+        "]]",
+        "<ref",
+        "Smith",
+        "Infobox",
+        "cite web",
+        "hidden",
+        "cell one",
+        "Map.png",
+        "A map of",
+        "Countries",
+        "'''",
+        "==",
+        "<span",
+        "&ndash;",
+        "http",
+    ):
         assert junk not in text, junk
 
 
 def test_dump_to_text_skips_redirects_and_other_namespaces():
     xml = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">
     <page><title>Real</title><ns>0</ns><revision><text>Body with [[a link]].</text></revision></page>
-    <page><title>Moved</title><ns>0</ns><redirect title="Real"/><revision><text>#REDIRECT [[Real]]</text></revision></page>
+    <page><title>Moved</title><ns>0</ns><redirect title="Real"/>
+      <revision><text>#REDIRECT [[Real]]</text></revision></page>
     <page><title>Talk:Real</title><ns>1</ns><revision><text>chatter</text></revision></page>
     <page><title>Second</title><ns>0</ns><revision><text>Text &lt;ref&gt;x&lt;/ref&gt;two.</text></revision></page>
     </mediawiki>"""
@@ -54,7 +73,7 @@ def test_dump_to_text_skips_redirects_and_other_namespaces():
 def test_split_never_overlaps(length, split):
     text = "".join(chr(0x4E00 + i) for i in range(length))  # all characters distinct
     calib, evaluation = split_text(text, split)
-    assert calib == text[: len(calib)] and evaluation == text[len(text) - len(evaluation):]
+    assert calib == text[: len(calib)] and evaluation == text[len(text) - len(evaluation) :]
     assert len(calib) + len(evaluation) <= length and not set(calib) & set(evaluation)
     assert len(calib) == min(40, length) and evaluation
     if split.eval_chars and length >= 70:

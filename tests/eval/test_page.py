@@ -42,7 +42,8 @@ class _Outline(HTMLParser):
             self.section = a["id"]
             self.sections[self.section] = []
         if tag in ("script", "link", "img", "iframe", "object") or any(
-                k in ("src", "href") and v and not v.startswith("#") for k, v in a.items() if k != "xmlns"):
+            k in ("src", "href") and v and not v.startswith("#") for k, v in a.items() if k != "xmlns"
+        ):
             if not (tag == "use" or a.get("href", "#").startswith("#")):
                 self.fetching.append(f"<{tag} {a}>")
         if tag == "svg":
@@ -78,8 +79,15 @@ def _outline(page: str) -> _Outline:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[Path, dict, int]:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     fp_bytes = sum(p.numel() * 4 for p in model.parameters())
     g = torch.Generator().manual_seed(1)
@@ -94,10 +102,18 @@ def checkpoint(tmp_path_factory) -> tuple[Path, dict, int]:
         if res.variant.method == "gptq":
             optq.save(m, folder, solutions=res.report.solutions, report=res.report)
 
-    compare(model, [parse_variant(v, base) for v in ("fp", "rtn", "gptq")], calib, windows, progress=False,
-            on_result=keep)
-    result = {"model": "tiny", "calib": "text", "nsamples": 4, "seqlen": 16, "windows": 3,
-              "corpora": ["text", "other"], "variants": rows}
+    compare(
+        model, [parse_variant(v, base) for v in ("fp", "rtn", "gptq")], calib, windows, progress=False, on_result=keep
+    )
+    result = {
+        "model": "tiny",
+        "calib": "text",
+        "nsamples": 4,
+        "seqlen": 16,
+        "windows": 3,
+        "corpora": ["text", "other"],
+        "variants": rows,
+    }
     (folder / "compare.json").write_text(json.dumps(result))
     return folder, result, fp_bytes
 
@@ -189,11 +205,26 @@ def test_page_renders_in_headless_chromium(checkpoint, tmp_path, width, height):
     page = write_page(checkpoint[0], tmp_path / "report.html")
     shot = tmp_path / f"shot-{width}.png"
     subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},{height}", "--hide-scrollbars",
-         f"--screenshot={shot}", page.as_uri()],
-        check=True, capture_output=True, timeout=120)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--window-size={width},{height}",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     import matplotlib.image
 
     image = matplotlib.image.imread(str(shot))
@@ -202,9 +233,23 @@ def test_page_renders_in_headless_chromium(checkpoint, tmp_path, width, height):
     dark = (image[..., :3].mean(axis=2) < 0.3).mean()
     assert 0.001 < dark < 0.5, dark
     dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         f"--user-data-dir={tmp_path / 'profile2'}", f"--window-size={width},{height}", "--dump-dom", page.as_uri()],
-        check=True, capture_output=True, timeout=120, text=True).stdout
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            f"--user-data-dir={tmp_path / 'profile2'}",
+            f"--window-size={width},{height}",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        text=True,
+    ).stdout
     assert re.search(r"<h1>optq report: ckpt</h1>", dom)
 
 
@@ -214,8 +259,15 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     from optq.cli import demo
     from optq.pipeline import planning as plan
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     # A machine of 1 FLOP/s and 1 s per solve unit: both terms run to hundreds of thousands of
     # minutes, so the whole minutes the line prints resolve each term to 1e-5 of itself (at the
@@ -224,8 +276,9 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     monkeypatch.setattr(plan, "machine_speed", lambda: speed)
     args = argparse.Namespace(nsamples=4, seqlen=16, windows=3)
     config = optq.QuantConfig(bits=4, group_size=16)
-    parts = plan.plan(model.config, nsamples=4, seqlen=16, config=config, source_dtype=torch.float32,
-                      speed=speed).seconds
+    parts = plan.plan(
+        model.config, nsamples=4, seqlen=16, config=config, source_dtype=torch.float32, speed=speed
+    ).seconds
     assert parts["forwards"] > 0 and parts["solves"] > 0  # both rates enter the quantize term
     quantize = sum(parts.values())
     # 3 variants x 2 corpora x 3 windows x 16 tokens, 2 FLOPs per parameter per token.

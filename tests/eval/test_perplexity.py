@@ -14,9 +14,15 @@ from optq.eval.perplexity import perplexity, perplexity_detail
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -115,8 +121,11 @@ def test_non_finite_logits_are_refused():
             return logits
 
     tokens = torch.arange(40) % 7
-    with pytest.raises(NonFiniteLogitsError, match=r"^the model produced non-finite logits \(NaN/Inf\) "
-                       r"in window 3 of 4; the checkpoint may be corrupt$") as info:
+    with pytest.raises(
+        NonFiniteLogitsError,
+        match=r"^the model produced non-finite logits \(NaN/Inf\) "
+        r"in window 3 of 4; the checkpoint may be corrupt$",
+    ) as info:
         perplexity(Broken(2, float("nan")), tokens, seqlen=10)
     assert math.isnan(info.value.value) and info.value.window == 2
     with pytest.raises(NonFiniteLogitsError, match="in windows 3..4 of 4") as info:

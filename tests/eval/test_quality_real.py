@@ -47,8 +47,13 @@ def test_gptq_defaults_beat_round_to_nearest_and_plain_gptq_at_4_bits(smollm2, e
     model, _ = smollm2
     calib, windows = enwiki
     defaults = optq.QuantConfig()
-    assert (defaults.bits, defaults.group_size, defaults.act_order, defaults.static_groups,
-            defaults.normalize_tokens) == (4, 128, True, True, True)
+    assert (
+        defaults.bits,
+        defaults.group_size,
+        defaults.act_order,
+        defaults.static_groups,
+        defaults.normalize_tokens,
+    ) == (4, 128, True, True, True)
     _, report, gptq_ppl = gptq4
     assert report.config == defaults.to_dict()
     assert report.totals["layers"] == 210

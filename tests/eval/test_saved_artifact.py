@@ -35,8 +35,9 @@ def test_saved_checkpoint_evaluates_like_the_in_memory_model(smollm2, enwiki, gp
         q.use_fast_path = True  # PyTorch's packed int4 kernel, computing in bfloat16
     fast_ppl = optq.perplexity(loaded, windows)
     assert all(q._fast_cache is not None and q._fast_cache["packed"] is not None for q in qlinears)
-    print(f"4-bit enwiki perplexity: in memory {memory_ppl:.4f}, loaded exact {exact_ppl:.4f}, "
-          f"loaded fast {fast_ppl:.4f}")
+    print(
+        f"4-bit enwiki perplexity: in memory {memory_ppl:.4f}, loaded exact {exact_ppl:.4f}, loaded fast {fast_ppl:.4f}"
+    )
     # Measured: within 0.01% (exact: only the float16 rounding of the scales differs) and 0.03%
     # (fast: bfloat16 arithmetic); the bounds leave room for other CPUs' kernels.
     assert exact_ppl == pytest.approx(memory_ppl, rel=1e-3)

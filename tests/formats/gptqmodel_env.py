@@ -17,8 +17,14 @@ import zipfile
 from pathlib import Path
 
 PINNED = [
-    "gptqmodel==7.7.0", "optimum==2.3.0", "logbar==0.4.15", "device-smi==0.5.7", "tokenicer==0.0.14",
-    "defuser==0.0.28", "threadpoolctl==3.8.0", "dill==0.4.1",
+    "gptqmodel==7.7.0",
+    "optimum==2.3.0",
+    "logbar==0.4.15",
+    "device-smi==0.5.7",
+    "tokenicer==0.0.14",
+    "defuser==0.0.28",
+    "threadpoolctl==3.8.0",
+    "dill==0.4.1",
 ]
 BUILT = ["pypcre==0.6.4"]  # sdist with a C extension
 
@@ -28,8 +34,9 @@ class Unavailable(Exception):
 
 
 def _pip(*args: str, cwd: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", *args], cwd=cwd, capture_output=True, text=True, timeout=900, check=False
+    )
     if proc.returncode:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
         raise Unavailable(f"pip {args[0]} failed: {last[0]}")
@@ -41,8 +48,11 @@ def _unpack_sdist(archive: Path, into: Path) -> None:
         tar.extractall(scratch, filter="data")
         (root,) = Path(scratch).iterdir()
         for entry in root.iterdir():
-            if entry.is_dir() and entry.name != "tests" and (
-                    (entry / "__init__.py").exists() or entry.name.endswith(".egg-info")):
+            if (
+                entry.is_dir()
+                and entry.name != "tests"
+                and ((entry / "__init__.py").exists() or entry.name.endswith(".egg-info"))
+            ):
                 shutil.copytree(entry, into / entry.name, dirs_exist_ok=True)
 
 
@@ -90,7 +100,13 @@ def load_with_transformers(site: Path | None, folder: Path, ids_file: Path, out_
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(folder), str(ids_file), str(out_file)],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, str(folder), str(ids_file), str(out_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     if proc.returncode:
         raise AssertionError(f"transformers + GPTQModel failed on {folder}:\n{proc.stderr[-3000:]}")

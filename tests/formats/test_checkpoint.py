@@ -25,8 +25,15 @@ def _tiny_llama(tie: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -34,8 +41,9 @@ def _quantize(model, config: optq.QuantConfig) -> dict[str, optq.Solution]:
     """GPTQ on each block linear, with Hessians of its inputs on random tokens."""
     linears = {n: m for n, m in find_linears(model).items() if "lm_head" not in n}
     hessians = {n: optq.Hessian(get_weight(m).shape[1]) for n, m in linears.items()}
-    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: hessians[n].update(args[0]))
-             for n, m in linears.items()]
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out, n=n: hessians[n].update(args[0])) for n, m in linears.items()
+    ]
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1)))
     for h in hooks:
@@ -100,7 +108,9 @@ def _spec_unpack(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return torch.tensor(cols).t()  # [count, columns]
 
 
-@pytest.mark.parametrize("bits,fmt,act", [(3, "gptq", True), (4, "gptq", False), (2, "gptq_v2", True), (8, "gptq", False)])
+@pytest.mark.parametrize(
+    "bits,fmt,act", [(3, "gptq", True), (4, "gptq", False), (2, "gptq_v2", True), (8, "gptq", False)]
+)
 def test_independent_decoder_reads_saved_file(tmp_path: Path, bits: int, fmt: str, act: bool) -> None:
     model = _tiny_llama()
     # act-order without static groups: g_idx is a permuted group map the decoder must follow
@@ -114,12 +124,14 @@ def test_independent_decoder_reads_saved_file(tmp_path: Path, bits: int, fmt: st
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     replace_linears(model, sols, checkpoint_format=fmt)  # the in-memory quantized model
     if act:
-        assert any(not torch.equal(tensors[f"{n}.g_idx"], torch.arange(s.codes.shape[1]) // 32)
-                   for n, s in sols.items())  # the act-order g_idx path is really exercised
+        assert any(
+            not torch.equal(tensors[f"{n}.g_idx"], torch.arange(s.codes.shape[1]) // 32) for n, s in sols.items()
+        )  # the act-order g_idx path is really exercised
     for name, sol in sols.items():
         n, k = sol.codes.shape
         assert {key for key in tensors if key.startswith(f"{name}.")} == {
-            f"{name}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx")}
+            f"{name}.{t}" for t in ("qweight", "qzeros", "scales", "g_idx")
+        }
         q = _spec_unpack(tensors[f"{name}.qweight"], bits, k)  # [K, N]
         z = _spec_unpack(tensors[f"{name}.qzeros"].t(), bits, n).t()  # [G, N]
         z = z + (1 if fmt == "gptq" else 0)
@@ -199,8 +211,12 @@ def test_load_errors(saved: Path) -> None:
     _edit_tensors(saved, lambda t: t.pop("model.layers.1.self_attn.o_proj.scales"))
     with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.1.self_attn.o_proj.scales'\]"):
         optq.load(saved)
-    _edit_tensors(saved, lambda t: t.update({"model.layers.1.self_attn.o_proj.scales": torch.ones(2, 64).half(),
-                                                  "extra.weight": torch.ones(1)}))
+    _edit_tensors(
+        saved,
+        lambda t: t.update(
+            {"model.layers.1.self_attn.o_proj.scales": torch.ones(2, 64).half(), "extra.weight": torch.ones(1)}
+        ),
+    )
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['extra.weight'\]"):
         optq.load(saved)
     _edit_tensors(saved, lambda t: t.pop("extra.weight"))
@@ -212,8 +228,14 @@ def test_load_errors(saved: Path) -> None:
         optq.load(saved)
 
 
-@pytest.mark.parametrize("changes,match", [({"checkpoint_format": "gptq_v3"}, "checkpoint_format"),
-                                           ({"bits": 5}, "bits"), ({"quant_method": "awq"}, "quant_method")])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"checkpoint_format": "gptq_v3"}, "checkpoint_format"),
+        ({"bits": 5}, "bits"),
+        ({"quant_method": "awq"}, "quant_method"),
+    ],
+)
 def test_load_refuses_unknown_config(saved: Path, changes: dict, match: str) -> None:
     _edit_config(saved, **changes)
     with pytest.raises(CheckpointError, match=match):
@@ -271,10 +293,13 @@ def gptqmodel_site() -> Path | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,cfg", [("gptq", dict(bits=4, group_size=32)),
-                                     ("gptq_v2", dict(bits=4, group_size=32, sym=False, act_order=True))])
-def test_transformers_gptqmodel_loads_our_checkpoint(tmp_path: Path, gptqmodel_site: Path | None,
-                                                      fmt: str, cfg: dict) -> None:
+@pytest.mark.parametrize(
+    "fmt,cfg",
+    [("gptq", dict(bits=4, group_size=32)), ("gptq_v2", dict(bits=4, group_size=32, sym=False, act_order=True))],
+)
+def test_transformers_gptqmodel_loads_our_checkpoint(
+    tmp_path: Path, gptqmodel_site: Path | None, fmt: str, cfg: dict
+) -> None:
     from formats.gptqmodel_env import load_with_transformers
 
     ref, folder = _reference_and_folder(tmp_path, fmt, **cfg)
@@ -291,7 +316,9 @@ def test_transformers_gptqmodel_loads_our_checkpoint(tmp_path: Path, gptqmodel_s
 
 
 @pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="compressed-tensors not installed")
-@pytest.mark.parametrize("cfg", [dict(bits=4, group_size=32), dict(bits=8, group_size=-1, act_order=True, static_groups=True)])
+@pytest.mark.parametrize(
+    "cfg", [dict(bits=4, group_size=32), dict(bits=8, group_size=-1, act_order=True, static_groups=True)]
+)
 def test_compressed_tensors_decompressor_reads_our_export(tmp_path: Path, cfg: dict) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -314,9 +341,7 @@ def test_compressed_tensors_refuses_dynamic_act_order(tmp_path: Path) -> None:
 def test_compressed_tensors_decompressor_asymmetric(tmp_path: Path) -> None:
     # transformers' from_pretrained expects unpacked zero points for asymmetric pack-quantized
     # models (a mismatch with compressed-tensors' own writer), so call the decompressor directly.
-    from compressed_tensors.compressors.pack_quantized.base import (
-        PackedQuantizationCompressor,
-    )
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
     model = _tiny_llama()
@@ -327,7 +352,7 @@ def test_compressed_tensors_decompressor_asymmetric(tmp_path: Path) -> None:
     scheme = QuantizationScheme(**{**qc["config_groups"]["group_0"], "targets": ["Linear"]})
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     for name, sol in sols.items():
-        local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        local = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
         weight = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
         expected = QuantLinear.from_solution(sol, checkpoint_format="gptq_v2").dequantize()
         assert torch.allclose(weight.float(), expected, atol=1e-6), name

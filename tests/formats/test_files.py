@@ -13,9 +13,10 @@ from formats.test_checkpoint import _quantize, _tiny_llama
 from safetensors.torch import load_file
 
 import optq
-from optq.formats import files
+from optq.formats import atomic, files
+from optq.formats.atomic import atomic_folder
 from optq.formats.checkpoint import CheckpointError
-from optq.formats.files import atomic_folder, read_index, read_tensors
+from optq.formats.files import read_index, read_tensors
 
 
 def _write(folder: Path, text: str) -> None:
@@ -32,7 +33,7 @@ def _siblings(target: Path) -> list[str]:
 def replace_mode(request, monkeypatch) -> str:
     """Run with renameat2 (where the system has it) and with the two-rename fallback."""
     if request.param == "renames":
-        monkeypatch.setattr(files, "_renameat2", lambda src, dst, flags: False, raising=False)
+        monkeypatch.setattr(atomic, "_renameat2", lambda src, dst, flags: False, raising=False)
     return request.param
 
 
@@ -66,7 +67,7 @@ def test_failed_final_rename_puts_old_folder_back(tmp_path: Path, monkeypatch) -
     target = tmp_path / "out"
     with atomic_folder(target, overwrite=False) as tmp:
         _write(tmp, "old")
-    monkeypatch.setattr(files, "_renameat2", lambda src, dst, flags: False, raising=False)
+    monkeypatch.setattr(atomic, "_renameat2", lambda src, dst, flags: False, raising=False)
     real_rename = Path.rename
 
     def rename(self: Path, dst):
@@ -86,7 +87,7 @@ def test_exchange_swaps_atomically(tmp_path: Path) -> None:
     b.mkdir()
     (a / "x").write_text("a")
     (b / "x").write_text("b")
-    if not files._renameat2(a, b, files._RENAME_EXCHANGE):
+    if not atomic._renameat2(a, b, atomic._RENAME_EXCHANGE):
         pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this system or filesystem")
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
 
@@ -167,22 +168,25 @@ def _poke(folder: Path, key: str, value: float) -> Path:
     path = folder / fname
     data = bytearray(path.read_bytes())
     header = int.from_bytes(data[:8], "little")
-    start = 8 + header + json.loads(data[8: 8 + header])[key]["data_offsets"][0]
+    start = 8 + header + json.loads(data[8 : 8 + header])[key]["data_offsets"][0]
     raw = torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes()
-    data[start: start + len(raw)] = raw
+    data[start : start + len(raw)] = raw
     path.write_bytes(bytes(data))
     return path
 
 
-@pytest.mark.parametrize("key,value,what", [
-    ("model.layers.1.mlp.up_proj.scales", float("nan"), "scales that are not finite and positive"),
-    ("model.layers.0.self_attn.q_proj.scales", float("inf"), "scales that are not finite and positive"),
-    ("model.layers.0.self_attn.q_proj.scales", 0.0, "scales that are not finite and positive"),
-    ("model.layers.0.self_attn.q_proj.scales", -0.5, "scales that are not finite and positive"),
-    ("model.embed_tokens.weight", float("nan"), "NaN or infinite values"),
-    ("model.norm.weight", float("-inf"), "NaN or infinite values"),
-    ("model.layers.0.mlp.down_proj.g_idx", 7, r"group indices outside \[0, 4\)"),
-])
+@pytest.mark.parametrize(
+    "key,value,what",
+    [
+        ("model.layers.1.mlp.up_proj.scales", float("nan"), "scales that are not finite and positive"),
+        ("model.layers.0.self_attn.q_proj.scales", float("inf"), "scales that are not finite and positive"),
+        ("model.layers.0.self_attn.q_proj.scales", 0.0, "scales that are not finite and positive"),
+        ("model.layers.0.self_attn.q_proj.scales", -0.5, "scales that are not finite and positive"),
+        ("model.embed_tokens.weight", float("nan"), "NaN or infinite values"),
+        ("model.norm.weight", float("-inf"), "NaN or infinite values"),
+        ("model.layers.0.mlp.down_proj.g_idx", 7, r"group indices outside \[0, 4\)"),
+    ],
+)
 def test_corrupt_values_are_refused(saved: Path, key: str, value: float, what: str) -> None:
     assert torch.isfinite(optq.load(saved).model.embed_tokens.weight).all()  # loads before the poke
     path = _poke(saved, key, value)
@@ -196,8 +200,14 @@ def test_inspect_summary_first_and_natural_order(tmp_path: Path, capsys) -> None
     from optq.cli import main
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=11,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=11,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = LlamaForCausalLM(cfg).eval()
     sols = _quantize(model, optq.QuantConfig(bits=4, group_size=32))
     optq.save(model, tmp_path / "q", solutions=sols)
@@ -208,8 +218,9 @@ def test_inspect_summary_first_and_natural_order(tmp_path: Path, capsys) -> None
     quantized = sum(s.weight.numel() for s in sols.values())
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     floats = sum(t.numel() for k, t in tensors.items() if t.is_floating_point() and not k.endswith(".scales"))
-    assert out[1] == (f"quantized layers: {len(sols)}; parameters: {quantized / 1e6:.2f} M quantized, "
-                      f"{floats / 1e6:.2f} M float")
+    assert out[1] == (
+        f"quantized layers: {len(sols)}; parameters: {quantized / 1e6:.2f} M quantized, {floats / 1e6:.2f} M float"
+    )
     disk = (tmp_path / "q" / "model.safetensors").stat().st_size
     assert out[2].startswith(f"size on disk: {disk / 1e6:.1f} MB")
     assert out[3] == "vLLM Marlin kernels: yes"
@@ -234,7 +245,7 @@ def test_inspect_truncated_file_is_one_line(tmp_path: Path, model_and_solutions,
 def test_atomic_folder_leaves_links_alone(tmp_path: Path) -> None:
     # A Debian package unpacked into the cache holds links into packages it depends on, which
     # dangle here; setting modes must neither follow them nor fail on them.
-    from optq.formats.files import atomic_folder
+    from optq.formats.atomic import atomic_folder
 
     outside = tmp_path / "outside.txt"
     outside.write_text("not ours")
@@ -254,7 +265,7 @@ def test_atomic_folder_leaves_links_alone(tmp_path: Path) -> None:
 def _mixed_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
-        "z.qweight": torch.randint(-2**31, 2**31 - 1, (6, 4), dtype=torch.int32, generator=g),
+        "z.qweight": torch.randint(-(2**31), 2**31 - 1, (6, 4), dtype=torch.int32, generator=g),
         "a.scales": torch.randn(3, 5, generator=g).half(),
         "m.weight": torch.randn(4, 7, generator=g).t(),  # not contiguous
         "b.bf": torch.randn(9, generator=g).bfloat16(),
@@ -273,7 +284,9 @@ def test_streamed_file_has_save_files_bytes(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors = _mixed_tensors()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"}
+    )
     specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
     files.write_safetensors_file(tmp_path / "ours.safetensors", specs, tensors.__getitem__, {"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
@@ -314,15 +327,17 @@ def test_output_into_a_closed_pipe_is_quiet(saved: Path) -> None:
     import subprocess
     import sys
 
-    script = ("import optq.cli.inspect as m, sys\n"
-              "real = m.run\n"
-              "def run(args):\n"
-              "    real(args)\n"
-              "    for i in range(200_000):\n"
-              "        print('more output', i)\n"
-              "m.run = run\n"
-              "from optq.cli import main\n"
-              f"sys.exit(main(['inspect', {str(saved)!r}]))\n")
+    script = (
+        "import optq.cli.inspect as m, sys\n"
+        "real = m.run\n"
+        "def run(args):\n"
+        "    real(args)\n"
+        "    for i in range(200_000):\n"
+        "        print('more output', i)\n"
+        "m.run = run\n"
+        "from optq.cli import main\n"
+        f"sys.exit(main(['inspect', {str(saved)!r}]))\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.readline()
     proc.stdout.close()

@@ -22,10 +22,15 @@ def _layer(shape, config, bias, seed=0):
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2", "compressed-tensors"])
-@pytest.mark.parametrize(("shape", "bits", "group", "sym", "bias"), [
-    ((48, 64), 4, 16, True, False), ((40, 96), 3, 32, False, True), ((24, 50), 2, -1, False, False),
-    ((16, 72), 8, 64, True, True),
-])
+@pytest.mark.parametrize(
+    ("shape", "bits", "group", "sym", "bias"),
+    [
+        ((48, 64), 4, 16, True, False),
+        ((40, 96), 3, 32, False, True),
+        ((24, 50), 2, -1, False, False),
+        ((16, 72), 8, 64, True, True),
+    ],
+)
 def test_packed_layout_is_what_the_writers_write(fmt, shape, bits, group, sym, bias):
     config = optq.QuantConfig(bits=bits, group_size=group, sym=sym, act_order=False)
     sol, b = _layer(shape, config, bias)

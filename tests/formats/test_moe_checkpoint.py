@@ -142,7 +142,9 @@ def test_custom_experts_keep_their_names(tmp_path):
     # file itself loads into the model's own structure.
     model, sols = quantized("custom")
     optq.save(model, tmp_path / "q", solutions=sols)
-    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.\d\.mlp\.experts\.\d\.\w+\.qweight names no module"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor model\.layers\.\d\.mlp\.experts\.\d\.\w+\.qweight names no module"
+    ):
         optq.load(tmp_path / "q")
     replace_linears(model, sols)
     other, _ = quantized("custom")
@@ -204,9 +206,19 @@ def _gpt_oss():
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     torch.manual_seed(0)
-    cfg = GptOssConfig(vocab_size=tiny_moe.VOCAB, hidden_size=32, intermediate_size=16, num_attention_heads=4,
-                       num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
-                       head_dim=8, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    cfg = GptOssConfig(
+        vocab_size=tiny_moe.VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     return AutoModelForCausalLM.from_config(cfg).float().eval()
 
 
@@ -218,7 +230,7 @@ def _inspect(folder: Path, capsys) -> tuple[list[str], dict[str, tuple[int, int]
     out = capsys.readouterr().out.splitlines()
     start = out.index(next(line for line in out if line.startswith("parameters by kind")))
     kinds = {}
-    for line in out[start + 1:]:
+    for line in out[start + 1 :]:
         m = re.fullmatch(r"  (\S.*?)\s+([\d,]+)\s+([\d,]+)", line)
         if not m:
             break
@@ -297,8 +309,12 @@ def test_save_pretrained_writes_per_expert_source_names_and_the_source_reads_the
     original = tiny_moe.build("mixtral")
     original.to(torch.bfloat16).save_pretrained(tmp_path / "src")
     index = read_index(tmp_path / "src")
-    per_expert = {f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
-                  for i in range(2) for e in range(tiny_moe.EXPERTS) for w in ("w1", "w2", "w3")}
+    per_expert = {
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+        for i in range(2)
+        for e in range(tiny_moe.EXPERTS)
+        for w in ("w1", "w2", "w3")
+    }
     assert per_expert <= set(index) and not [k for k in index if ".mlp." in k or "gate_up_proj" in k]
 
     src = SafetensorsSource(tmp_path / "src")
@@ -339,8 +355,9 @@ def test_streamed_mixtral_matches_quantize_and_save(tmp_path, fmt):
     assert sorted(streamed) == sorted(saved) and not [k for k in saved if ".mlp." in k]
     for key, t in saved.items():
         assert torch.equal(streamed[key], t), key
-    s_qc, m_qc = (json.loads((tmp_path / f / "config.json").read_text())["quantization_config"]
-                  for f in ("streamed", "saved"))
+    s_qc, m_qc = (
+        json.loads((tmp_path / f / "config.json").read_text())["quantization_config"] for f in ("streamed", "saved")
+    )
     assert s_qc == m_qc
     if fmt == "compressed-tensors":
         routers = [f"model.layers.{i}.block_sparse_moe.gate" for i in range(2)]

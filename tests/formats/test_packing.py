@@ -5,15 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optq.formats.packing import (
-    pack,
-    pack_qweight,
-    pack_qzeros,
-    packed_length,
-    unpack,
-    unpack_qweight,
-    unpack_qzeros,
-)
+from optq.formats.packing import pack, pack_qweight, pack_qzeros, packed_length, unpack, unpack_qweight, unpack_qzeros
 
 BITS = (2, 3, 4, 8)
 

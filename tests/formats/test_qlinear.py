@@ -46,13 +46,18 @@ def test_dequantize_matches_solution_up_to_fp16_scales(bits: int, fmt: str) -> N
     assert (q.dequantize() - sol.weight).abs().max().item() <= tol
     x = torch.randn(3, 128)
     ref = x @ sol.weight.T
-    assert torch.allclose(q.forward_reference(x), ref, atol=tol * 128 ** 0.5 * 4)
+    assert torch.allclose(q.forward_reference(x), ref, atol=tol * 128**0.5 * 4)
 
 
 @pytest.mark.parametrize(
     "k,group_size,act_order,static",
-    [(576, 128, False, False), (256, -1, False, False), (256, 64, True, False),
-     (256, 64, True, True), (128, 32, False, False)],
+    [
+        (576, 128, False, False),
+        (256, -1, False, False),
+        (256, 64, True, False),
+        (256, 64, True, True),
+        (128, 32, False, False),
+    ],
 )
 def test_fast_int4_path_equals_reference(k: int, group_size: int, act_order: bool, static: bool) -> None:
     sol = _solution(48, k, bits=4, group_size=group_size, act_order=act_order, static_groups=static, sym=False)
@@ -91,8 +96,16 @@ def test_replace_linears_llama_and_gpt2_conv1d() -> None:
     from optq.formats.linears import find_linears, get_weight, set_weight
 
     for model in (
-        LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)),
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        ),
         GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=64, n_layer=1, n_head=4, n_positions=32)),
     ):
         model.eval()

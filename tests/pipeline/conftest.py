@@ -1,5 +1,6 @@
-"""Shared fixtures of the streaming tests (test_stream.py, test_resume.py): tiny models saved as
-safetensors shards, a streaming run with small defaults, and a folder's bytes.
+"""Shared fixtures of the streaming tests (test_stream.py, test_resume.py, test_resume_guards.py):
+tiny models saved as safetensors shards, a streaming run with small defaults, a folder's bytes,
+and the resume tests' source with its uninterrupted output.
 
 Nothing here is autouse: the other tests of this folder are unaffected."""
 
@@ -29,8 +30,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def save_tiny(folder: Path, arch: str = "llama", *, dtype: torch.dtype = torch.bfloat16, layers: int | None = None,
-              shard: int = SHARD, seed: int = 0) -> Path:
+def save_tiny(
+    folder: Path,
+    arch: str = "llama",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    layers: int | None = None,
+    shard: int = SHARD,
+    seed: int = 0,
+) -> Path:
     """A tiny random model of ``arch`` saved with ``save_pretrained`` (safetensors shards + index
     when ``shard`` is small). ``layers`` rebuilds it with that many blocks."""
     from tiny import build
@@ -108,3 +116,23 @@ def kit_any_threads():
 def kit(one_thread):
     """The helpers, in a test run with one thread."""
     return Kit
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, kit_any_threads):
+    """The resume tests' 3-block bf16 sharded llama and its uninterrupted streamed output (one
+    thread): (source folder, the output's ``folder_bytes``, its report). Built once per module."""
+    from pipeline.resume_helpers import LAYERS, OUT_SHARD
+
+    kit = kit_any_threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        root = tmp_path_factory.mktemp("resume")
+        src = kit.save_tiny(root / "src", "llama", dtype=torch.bfloat16, layers=LAYERS)
+        report = kit.stream(src, root / "ref", max_shard_size=OUT_SHARD)
+    finally:
+        torch.set_num_threads(before)
+    ref = kit.folder_bytes(root / "ref")
+    assert len([k for k in ref if k.endswith(".safetensors")]) >= 3
+    return src, ref, report

@@ -51,11 +51,13 @@ def test_non_finite_activations_name_the_block_and_layers(strategy):
         run(model, strategy=strategy)
     message = str(info.value)
     assert message.startswith(
-        "model.layers.1: the input of self_attn.q_proj, self_attn.k_proj, self_attn.v_proj: "
-        "calibration input contains")
+        "model.layers.1: the input of self_attn.q_proj, self_attn.k_proj, self_attn.v_proj: calibration input contains"
+    )
     # block 0 is quantized by then: the message says so instead of implying a clean model
-    assert message.endswith("the model is left partly quantized (7 of 14 layers, up to "
-                            "model.layers.0.mlp.down_proj): load it again before using it")
+    assert message.endswith(
+        "the model is left partly quantized (7 of 14 layers, up to "
+        "model.layers.0.mlp.down_proj): load it again before using it"
+    )
 
 
 def test_non_finite_activations_before_any_change_say_so():
@@ -63,8 +65,11 @@ def test_non_finite_activations_before_any_change_say_so():
     with torch.no_grad():
         model.model.embed_tokens.weight.fill_(float("nan"))
     before = _snapshot(model)
-    with pytest.raises(ValueError, match=r"^model\.layers\.0: the input of self_attn\.q_proj, .*"
-                                         r"; no weight was changed$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model\.layers\.0: the input of self_attn\.q_proj, .*"
+        r"; no weight was changed$",
+    ):
         run(model)
     _assert_unchanged(model, before)
 

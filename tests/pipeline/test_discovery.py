@@ -62,8 +62,13 @@ def test_find_blocks_prefers_longest_list_of_identical_blocks():
     assert name == "layers" and len(blocks) == 3
 
 
-NAMES = ["m.layers.0.attn.q_proj", "m.layers.0.attn.k_proj", "m.layers.0.mlp.down_proj",
-         "m.layers.1.attn.q_proj", "m.layers.1.mlp.down_proj"]
+NAMES = [
+    "m.layers.0.attn.q_proj",
+    "m.layers.0.attn.k_proj",
+    "m.layers.0.mlp.down_proj",
+    "m.layers.1.attn.q_proj",
+    "m.layers.1.mlp.down_proj",
+]
 
 
 def test_select_names_patterns():
@@ -130,14 +135,16 @@ def test_capture_leaves_the_model_as_it_was():
 
 
 SUBSETS = {
-    "llama": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-              ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]],
+    "llama": [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ],
     "gpt2": [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]],
-    "opt": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.out_proj"],
-            ["fc1"], ["fc2"]],
+    "opt": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.out_proj"], ["fc1"], ["fc2"]],
     # Phi runs attention and MLP in parallel on one normalised input.
-    "phi": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"],
-            ["self_attn.dense"], ["mlp.fc2"]],
+    "phi": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"], ["self_attn.dense"], ["mlp.fc2"]],
 }
 
 
@@ -149,6 +156,6 @@ def test_subsets_group_linears_by_shared_input(arch):
     with torch.no_grad():
         hidden, calls = capture.capture_inputs(model, blocks, [tokens()], torch.device("cpu"))
         plan = capture.discover_subsets(blocks[0], linears, list(linears), hidden[0], calls[0][0])
-    got = [[n[len(name) + 3:] for n in s] for s in plan.subsets]
+    got = [[n[len(name) + 3 :] for n in s] for s in plan.subsets]
     assert got == SUBSETS[arch]
     assert plan.unused == [] and plan.repeated == [] and set(plan.order) == set(linears)

@@ -93,7 +93,9 @@ def test_two_processes_equal_one(arch, tmp_path):
     assert all(torch.equal(w0[k], w1[k]) for k in w0)  # every rank ends with the same weights
     model, report = _single(arch, "float64")
     single = model.state_dict()
-    assert all(torch.equal(w0[k], single[k]) for k in single), [k for k in single if not torch.equal(w0[k], single[k])][:3]
+    assert all(torch.equal(w0[k], single[k]) for k in single), [k for k in single if not torch.equal(w0[k], single[k])][
+        :3
+    ]
     r0 = json.loads((out / "report0.json").read_text())
     d = r0["distributed"]
     assert d["world_size"] == 2 and [r["calibration_samples"] for r in d["ranks"]] == [[0, 4], [4, 8]]
@@ -129,7 +131,6 @@ def test_a_failing_rank_stops_every_rank_and_is_named(tmp_path):
     assert not list(out.glob("weights*.pt"))
 
 
-
 def _mismatch_worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -155,8 +156,9 @@ def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bo
     import datetime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30)
+    )
     from optq.pipeline.stream.journal import Journal
     from optq.pipeline.stream.quantize import quantize_pretrained
 
@@ -170,8 +172,17 @@ def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bo
 
         Journal.write_block = write_block
     try:
-        quantize_pretrained(src, dst, _ids(), CFG, progress=False, batch_size=2, hessian_dtype="float64",
-                            resume=not kill, max_shard_size=20_000)
+        quantize_pretrained(
+            src,
+            dst,
+            _ids(),
+            CFG,
+            progress=False,
+            batch_size=2,
+            hessian_dtype="float64",
+            resume=not kill,
+            max_shard_size=20_000,
+        )
     except BaseException as exc:  # noqa: BLE001
         Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
     finally:
@@ -191,8 +202,16 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
 
     AutoModelForCausalLM.from_config(model.config).float().eval().save_pretrained(tmp_path / "src")
     torch.set_num_threads(1)
-    quantize_pretrained(tmp_path / "src", tmp_path / "one", _ids(), CFG, progress=False, batch_size=2,
-                        hessian_dtype="float64", max_shard_size=20_000)
+    quantize_pretrained(
+        tmp_path / "src",
+        tmp_path / "one",
+        _ids(),
+        CFG,
+        progress=False,
+        batch_size=2,
+        hessian_dtype="float64",
+        max_shard_size=20_000,
+    )
     out = tmp_path / "log"
     out.mkdir()
     args = (str(tmp_path / "src"), str(tmp_path / "two"), str(out))
@@ -216,8 +235,9 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="the NCCL path needs two CUDA GPUs")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="the NCCL path needs two CUDA GPUs"
+)
 def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPUs are
     """Two ranks on two GPUs (torchrun, NCCL) against one process on one GPU: the same run as
     test_two_processes_equal_one (_run: batches of 2, so each rank's 4 samples are forwarded in
@@ -231,7 +251,8 @@ def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPU
     out = tmp_path / "out"
     out.mkdir()
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         from pathlib import Path
         sys.path[:0] = [{str(here.parent.parent)!r}, {str(here.parent)!r}, {str(here)!r}]
@@ -243,11 +264,18 @@ def test_nccl_two_gpus_equal_one(tmp_path):  # pragma: no cover - runs where GPU
         model, report = _run("llama", "float64", device=device)
         torch.save({{k: v.clone() for k, v in model.state_dict().items()}}, f"{out}/weights{{d.rank}}.pt")
         Path(f"{out}/report{{d.rank}}.json").write_text(json.dumps(report.to_dict()))
-    """))
+    """)
+    )
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPTQ_DIST_TIMEOUT": "120"}
-    res = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", "29582", str(script)], env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
+    res = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-port", "29582", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     model, report = _single("llama", "float64", device="cuda:0")
     single, rows = {k: v.cpu() for k, v in model.state_dict().items()}, report.to_dict()["layers"]

@@ -39,8 +39,9 @@ def _model() -> torch.nn.Module:
     return model
 
 
-def _reference_hessian(state: dict, block: int, linear: str, calib: torch.Tensor, normalize: bool,
-                       original: dict | None) -> torch.Tensor:
+def _reference_hessian(
+    state: dict, block: int, linear: str, calib: torch.Tensor, normalize: bool, original: dict | None
+) -> torch.Tensor:
     """2/n Σ x xᵀ (float64) of ``model.layers.{block}.{linear}``'s inputs over a whole-model
     forward of ``calib``, with the weights ``state``; with ``original``, every block except
     ``block`` gets its original weights (so ``block`` sees the fp model's activations)."""
@@ -74,9 +75,13 @@ def test_every_hessian_matches_a_whole_model_forward(monkeypatch, normalize_toke
 
     def record(W, H, cfg):
         # Which linear heads this group: the stacked W starts with its (still unquantized) rows.
-        heads = [n for n, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and m.weight.shape[1] == W.shape[1]
-                 and torch.equal(m.weight, W[: m.weight.shape[0]])]
+        heads = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+            and m.weight.shape[1] == W.shape[1]
+            and torch.equal(m.weight, W[: m.weight.shape[0]])
+        ]
         assert len(heads) == 1, heads
         # The model's state at this moment is the one the pipeline calibrated this group from.
         state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -91,8 +96,9 @@ def test_every_hessian_matches_a_whole_model_forward(monkeypatch, normalize_toke
     assert [s[1] for s in seen] == [(64, 32), (32, 32), (128, 32), (32, 64)] * 2
     for name, _, H, state in seen:
         block, linear = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()
-        ref = _reference_hessian(state, int(block), linear, calib, normalize_tokens,
-                                 original if propagate == "original" else None)
+        ref = _reference_hessian(
+            state, int(block), linear, calib, normalize_tokens, original if propagate == "original" else None
+        )
         err = float((H.double() - ref).norm() / ref.norm())
         assert err < 1e-5, f"{name}: relative Frobenius error {err:.3g}"
         torch.testing.assert_close(H.double(), ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()), msg=name)
@@ -120,9 +126,13 @@ def test_calibration_statistics_match_a_whole_model_forward(monkeypatch):
     real = solver.gptq
 
     def record(W, H, cfg):
-        heads = [n for n, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and m.weight.shape[1] == W.shape[1]
-                 and torch.equal(m.weight, W[: m.weight.shape[0]])]
+        heads = [
+            n
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+            and m.weight.shape[1] == W.shape[1]
+            and torch.equal(m.weight, W[: m.weight.shape[0]])
+        ]
         states[heads[0]] = {k: v.clone() for k, v in model.state_dict().items()}
         return real(W, H, cfg)
 

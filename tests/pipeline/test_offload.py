@@ -45,5 +45,6 @@ def test_offloaded_activations_are_file_backed_and_give_the_same_bytes(source, t
 
 def test_offload_is_refused_off_the_cpu(source, tmp_path):
     with pytest.raises(ValueError, match="CPU only"):
-        stream.quantize_pretrained(source, tmp_path / "q", tokens(n=2, seqlen=16), CFG, progress=False,
-                                   offload_activations=True, device="cuda")
+        stream.quantize_pretrained(
+            source, tmp_path / "q", tokens(n=2, seqlen=16), CFG, progress=False, offload_activations=True, device="cuda"
+        )

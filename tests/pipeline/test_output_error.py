@@ -29,7 +29,8 @@ def _raw_inputs(calib):
     model = _model()
     seen = []
     handle = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
-        lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+        lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1]))
+    )
     with torch.no_grad():
         model(input_ids=calib)
     handle.remove()

@@ -68,7 +68,10 @@ def test_report_numbers_are_consistent_and_serialise(tmp_path):
     assert data["config"] == CFG.to_dict()
     assert set(data["versions"]) >= {"torch", "transformers", "optq"}
     assert data["totals"]["layers"] == len(originals) == 14
-    assert data["layers"]["model.layers.1.mlp.down_proj"]["objective"] == report.layers["model.layers.1.mlp.down_proj"].objective
+    assert (
+        data["layers"]["model.layers.1.mlp.down_proj"]["objective"]
+        == report.layers["model.layers.1.mlp.down_proj"].objective
+    )
     assert "solutions" not in data
 
 
@@ -110,7 +113,8 @@ def test_deterministic(one_thread, tmp_path):
     kw = {"nsamples": 6, "seqlen": 16, "hessian_dtype": "float64"}
     tests = Path(__file__).resolve().parent.parent
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{str(tests.parent)!r}, {str(tests)!r}]
         import torch
@@ -121,11 +125,13 @@ def test_deterministic(one_thread, tmp_path):
         torch.rand(11)
         run(model, calib=torch.load({str(tmp_path / "stream.pt")!r}), batch_size=3, **{kw!r})
         torch.save(model.state_dict(), {str(tmp_path / "other.pt")!r})
-    """))
+    """)
+    )
     seed = "54321" if os.environ.get("PYTHONHASHSEED") == "12345" else "12345"  # not this process's
     env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     model = build("qwen2")
     torch.manual_seed(123)
@@ -173,9 +179,13 @@ def test_include_exclude():
     model = build("llama")
     before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
     report = _run(model, include="*.mlp.*", exclude="re:layers\\.1\\.mlp\\.down")
-    assert set(report.layers) == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
-                                  "model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate_proj",
-                                  "model.layers.1.mlp.up_proj"}
+    assert set(report.layers) == {
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj",
+    }
     for n, m in _block_linears(model).items():
         assert torch.equal(get_weight(m), before[n]) == (n not in report.layers), n
 
@@ -226,8 +236,11 @@ def test_list_of_samples_and_stream():
         (dict(include="nope"), "matches none"),
         (dict(strategy="fast"), "strategy"),
         (dict(device="gpu0"), "not a torch device"),
-        pytest.param(dict(device="cuda"), "no usable CUDA", marks=pytest.mark.skipif(
-            torch.cuda.is_available(), reason="CUDA present")),
+        pytest.param(
+            dict(device="cuda"),
+            "no usable CUDA",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present"),
+        ),
     ],
 )
 def test_bad_input(kw, match):

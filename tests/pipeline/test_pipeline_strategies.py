@@ -109,8 +109,7 @@ def test_an_error_inside_a_paused_forward_reaches_the_caller():
     model.layers = torch.nn.ModuleList([_Fragile(16) for _ in range(2)])
     before = threading.active_count()
     with pytest.raises(ValueError, match="boom in the block"):
-        _run(model, calib=torch.randint(0, 32, (4, 8)), batch_size=1,
-             config=optq.QuantConfig(bits=4, group_size=-1))
+        _run(model, calib=torch.randint(0, 32, (4, 8)), batch_size=1, config=optq.QuantConfig(bits=4, group_size=-1))
     assert threading.active_count() == before
 
 

@@ -16,8 +16,8 @@ import optq
 from optq.formats.linears import find_linears
 from optq.pipeline import planning as plan_mod
 from optq.pipeline.planning import RUNTIME_BYTES, plan
-from optq.pipeline.stream.source import SafetensorsSource
 from optq.pipeline.stream.quantize import quantize_pretrained
+from optq.pipeline.stream.source import SafetensorsSource
 
 CFG = optq.QuantConfig(bits=4, group_size=16)
 SPEED = {"flops": 1e10, "solve_unit": 1e-10}  # fixed: no timing in the tests
@@ -57,8 +57,10 @@ def test_terms_equal_hand_computation(folder):
     assert p.capture["embeddings (+ norm)"] == (vocab * h + h) * 4
     # The largest solve: gate+up (rows 2i, K=h) or down (rows h, K=i), with its Hessians (the
     # solver's on normalised tokens and the plain one, float32).
-    hessians, solve = max(((2 * K * K * 4, (5 * R * K + 4 * K * K) * 4)
-                           for R, K in [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]), key=sum)
+    hessians, solve = max(
+        ((2 * K * K * 4, (5 * R * K + 4 * K * K) * 4) for R, K in [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]),
+        key=sum,
+    )
     assert (p.ram["hessians"], p.ram["solve workspace"]) == (hessians, solve)
     assert p.peak_ram == max(sum(p.capture.values()), sum(p.ram.values()), sum(p.assembly.values()))
     assert p.disk["journal: activations (2 files while replaced)"] == 2 * T * h * 4
@@ -146,7 +148,9 @@ def test_config_dict_source_matches_folder(folder):
     a, b = _plan(folder), _plan(cfg, source_dtype=torch.bfloat16)
     assert a.ram == b.ram
     assert a.disk["output tensors"] == b.disk["output tensors"]
-    assert [x["name"] for blk in a.blocks for x in blk["linears"]] == [x["name"] for blk in b.blocks for x in blk["linears"]]
+    assert [x["name"] for blk in a.blocks for x in blk["linears"]] == [
+        x["name"] for blk in b.blocks for x in blk["linears"]
+    ]
 
 
 def test_tied_embeddings_count_once(tmp_path):

@@ -1,80 +1,42 @@
 """Resuming a streaming run (``quantize_pretrained(..., resume=True)``) from ``OUT.partial/``:
-after a crash injected at several points the output is byte-identical to an uninterrupted run's;
-a journal of another run is refused naming what differs; existing partial and final folders
-are not clobbered without ``overwrite``."""
+after a crash injected at several points the output is byte-identical to an uninterrupted run's.
+What resume and overwrite do with another run's journal or existing folders: test_resume_guards.py."""
 
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from pipeline.resume_helpers import (
+    LAYERS,
+    LINEARS,
+    OUT_SHARD,
+    SOLVES,
+    Kill,
+    after_write_block_1,
+    count_solves,
+    journal_state,
+)
 
 import optq.pipeline.stream.journal as journal_mod
 from optq.core import solver
 from optq.formats import files
 from optq.pipeline.stream import quantize as stream_mod
-from optq.pipeline.stream.journal import Journal, JournalError
-from optq.pipeline.stream.source import SafetensorsSource
+from optq.pipeline.stream.journal import Journal
 
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-LAYERS = 3
-OUT_SHARD = 8_000  # several output shards
-LINEARS = 7  # per llama block
-SOLVES = 4  # gptq calls per llama block: one per group of linears sharing an input (qkv, o, gate+up, down)
-
-
-class Kill(BaseException):
-    """Stands for a kill: not an Exception, so no `except Exception` in the library catches it."""
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, kit_any_threads):
-    """A 3-block bf16 sharded llama and its uninterrupted streamed output (one thread)."""
-    kit = kit_any_threads
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        root = tmp_path_factory.mktemp("resume")
-        src = kit.save_tiny(root / "src", "llama", dtype=torch.bfloat16, layers=LAYERS)
-        report = kit.stream(src, root / "ref", max_shard_size=OUT_SHARD)
-    finally:
-        torch.set_num_threads(before)
-    ref = kit.folder_bytes(root / "ref")
-    assert len([k for k in ref if k.endswith(".safetensors")]) >= 3
-    return src, ref, report
 
 
 def _same_totals(report, ref) -> None:
     got = {k: v for k, v in report.totals.items() if k != "seconds"}
     want = {k: v for k, v in ref.totals.items() if k != "seconds"}
     assert got == pytest.approx(want, rel=1e-12, abs=0)
-
-
-def _state(out: Path) -> dict:
-    return json.loads((out.parent / f"{out.name}.partial" / "state.json").read_text())
-
-
-def _count_solves(monkeypatch) -> list[int]:
-    calls = [0]
-    orig = solver.gptq
-
-    def gptq(*a, **k):
-        calls[0] += 1
-        return orig(*a, **k)
-
-    monkeypatch.setattr(solver, "gptq", gptq)
-    return calls
 
 
 # Each crash point: (install the crash with monkeypatch, check the partial folder it leaves) ->
@@ -92,16 +54,7 @@ def _in_solve_of_block_1(mp, partial):
     return 1
 
 
-def _after_write_block_1(mp, partial):
-    orig = Journal.write_block
-
-    def write_block(self, i, tensors):
-        orig(self, i, tensors)
-        if i == 1:
-            raise Kill
-
-    mp.setattr(Journal, "write_block", write_block)
-    return 1
+# after_write_block_1 is in resume_helpers.py: test_resume_guards.py crashes there too.
 
 
 def _in_commit_after_activations(mp, partial):
@@ -178,7 +131,7 @@ def _expected(done: int, blocks: int, activations: tuple[int, ...]) -> dict:
 # more than committed when the kill follows write_block), activation files on disk.
 CRASHES = [
     pytest.param(_in_solve_of_block_1, _expected(1, 1, (1,)), id="in-solve-of-block-1"),
-    pytest.param(_after_write_block_1, _expected(1, 2, (1,)), id="after-write-block-1-before-commit"),
+    pytest.param(after_write_block_1, _expected(1, 2, (1,)), id="after-write-block-1-before-commit"),
     pytest.param(_in_commit_after_activations, _expected(1, 2, (1, 2)), id="in-commit-after-activations-before-state"),
     pytest.param(_before_assembly, _expected(LAYERS, LAYERS, ()), id="after-last-commit-before-assembly"),
     pytest.param(_mid_assembly, _expected(LAYERS, LAYERS, ()), id="mid-assembly-after-first-shard"),
@@ -208,7 +161,7 @@ def test_resume_after_a_crash_is_byte_identical(crash, left, reference, kit, tmp
     else:
         assert final is None
 
-    solves = _count_solves(monkeypatch)
+    solves = count_solves(monkeypatch)
     report = kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True)
     assert not partial.exists()
     assert kit.folder_bytes(out) == ref
@@ -234,7 +187,7 @@ def test_resume_ignores_temporary_files_a_kill_leaves(reference, kit, tmp_path, 
     src, ref, _ = reference
     out, partial = tmp_path / "out", tmp_path / "out.partial"
     with monkeypatch.context() as mp:
-        _after_write_block_1(mp, partial)
+        after_write_block_1(mp, partial)
         with pytest.raises(Kill):
             kit.stream(src, out, max_shard_size=OUT_SHARD)
     (partial / ".state.json.k9x2mq.tmp").write_text('{"done": ')
@@ -265,123 +218,14 @@ def test_resume_after_a_real_sigkill(reference, kit, tmp_path):
     out = tmp_path / "out"
     here = Path(__file__).parent
     code = _KILLER.format(tests=str(here.parent), here=str(here), src=str(src), out=str(out), shard=OUT_SHARD)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert _state(out)["done"] == 1
+    assert journal_state(out)["done"] == 1
     kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True)
     assert not (tmp_path / "out.partial").exists()
     assert kit.folder_bytes(out) == ref
-
-
-# ------------------------------------------------------------------- 5. another run's journal
-def _crashed_run(kit, src, out, monkeypatch) -> bytes:
-    with monkeypatch.context() as mp:
-        _after_write_block_1(mp, None)
-        with pytest.raises(Kill):
-            kit.stream(src, out, max_shard_size=OUT_SHARD)
-    return (out.parent / f"{out.name}.partial" / "manifest.json").read_bytes()
-
-
-def _retype_one_tensor(src: Path) -> None:
-    """Store one (small) tensor of the source in float32 instead of bfloat16: same names."""
-    shard = next(p for p in sorted(src.glob("model-*.safetensors")) if any(k.endswith("norm.weight") for k in load_file(str(p))))
-    tensors = load_file(str(shard))
-    key = next(k for k in sorted(tensors) if k.endswith("norm.weight"))
-    tensors[key] = tensors[key].float()
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-
-
-def _change_config(src: Path) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["rms_norm_eps"] = cfg["rms_norm_eps"] * 2
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
-@pytest.mark.parametrize("change, differ", [
-    ({"config": True}, {"config"}),
-    ({"calib": True}, {"calibration"}),
-    ({"source": _change_config}, {"source"}),
-    ({"source": _retype_one_tensor}, {"source"}),
-    ({"shard": True}, {"options"}),
-], ids=["bits", "calibration-tokens", "source-config.json", "source-tensor-dtype", "max-shard-size"])
-def test_resuming_another_runs_journal_is_refused_naming_what_differs(change, differ, reference, kit, tmp_path,
-                                                                      monkeypatch):
-    src, ref, _ = reference
-    src = Path(shutil.copytree(src, tmp_path / "src"))
-    out = tmp_path / "out"
-    manifest = _crashed_run(kit, src, out, monkeypatch)
-    state = _state(out)
-    kw = {}
-    if change.get("config"):
-        kw["config"] = kit.CFG.__class__(bits=4, group_size=16)
-    if change.get("calib"):
-        kw["calib"] = kit.tokens(n=6, seqlen=16, seed=2)
-    if change.get("source"):
-        original = tmp_path / "original"
-        shutil.copytree(src, original)
-        change["source"](src)
-    with pytest.raises(JournalError) as err:
-        kit.stream(src, out, max_shard_size=OUT_SHARD + 1 if change.get("shard") else OUT_SHARD, resume=True, **kw)
-    assert isinstance(err.value, ValueError)
-    found = re.search(r"the (.+?) differ", str(err.value))
-    assert found, str(err.value)
-    assert set(found.group(1).split(", ")) == differ, str(err.value)
-    assert "--overwrite" in str(err.value)
-    # The refusal leaves the journal as it was: the original run still resumes, to the same bytes.
-    partial = tmp_path / "out.partial"
-    assert (partial / "manifest.json").read_bytes() == manifest and _state(out) == state
-    if change.get("source"):
-        shutil.rmtree(src)
-        shutil.copytree(original, src)
-    kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True)
-    assert kit.folder_bytes(out) == ref
-
-
-# ----------------------------------------------------------- 6. existing partial / final output
-def test_an_unfinished_run_is_an_error_without_resume_and_restarts_with_overwrite(reference, kit, tmp_path,
-                                                                                  monkeypatch):
-    src, ref, _ = reference
-    out, partial = tmp_path / "out", tmp_path / "out.partial"
-    manifest = _crashed_run(kit, src, out, monkeypatch)
-    state = _state(out)
-    with pytest.raises(JournalError, match="--resume") as err:
-        kit.stream(src, out, max_shard_size=OUT_SHARD)
-    assert "--overwrite" in str(err.value) and isinstance(err.value, ValueError)
-    assert (partial / "manifest.json").read_bytes() == manifest and _state(out) == state  # untouched
-
-    solves = _count_solves(monkeypatch)
-    kit.stream(src, out, max_shard_size=OUT_SHARD, overwrite=True)
-    assert solves[0] == SOLVES * LAYERS  # started over
-    assert not partial.exists() and kit.folder_bytes(out) == ref
-
-
-def test_an_existing_output_is_refused_before_any_work_and_replaced_with_overwrite(reference, kit, tmp_path,
-                                                                                   monkeypatch):
-    src, ref, _ = reference
-    out, partial = tmp_path / "out", tmp_path / "out.partial"
-    out.mkdir()
-    (out / "keep.txt").write_text("an earlier result")
-    with monkeypatch.context() as mp:
-        def read(self, name):
-            raise AssertionError(f"read {name} before refusing")
-
-        mp.setattr(SafetensorsSource, "read", read)
-        with pytest.raises(JournalError, match="overwrite") as err:
-            kit.stream(src, out, max_shard_size=OUT_SHARD)
-    assert "already exists" in str(err.value) and isinstance(err.value, ValueError)
-    assert not partial.exists() and [p.name for p in out.iterdir()] == ["keep.txt"]
-
-    kit.stream(src, out, max_shard_size=OUT_SHARD, overwrite=True)
-    assert not partial.exists() and kit.folder_bytes(out) == ref
-
-
-def test_resume_without_a_partial_folder_starts_from_the_first_block(reference, kit, tmp_path, monkeypatch):
-    src, ref, _ = reference
-    solves = _count_solves(monkeypatch)
-    kit.stream(src, tmp_path / "out", max_shard_size=OUT_SHARD, resume=True)
-    assert solves[0] == SOLVES * LAYERS
-    assert kit.folder_bytes(tmp_path / "out") == ref
 
 
 def test_resume_with_offloaded_activations_is_byte_identical(reference, kit, tmp_path, monkeypatch):
@@ -389,11 +233,11 @@ def test_resume_with_offloaded_activations_is_byte_identical(reference, kit, tmp
     src, ref, _ = reference
     out, partial = tmp_path / "out", tmp_path / "out.partial"
     with monkeypatch.context() as mp:
-        _after_write_block_1(mp, partial)
+        after_write_block_1(mp, partial)
         with pytest.raises(Kill):
             kit.stream(src, out, max_shard_size=OUT_SHARD, offload_activations=True)
-    assert _state(out)["done"] == 1
-    solves = _count_solves(monkeypatch)
+    assert journal_state(out)["done"] == 1
+    solves = count_solves(monkeypatch)
     kit.stream(src, out, max_shard_size=OUT_SHARD, offload_activations=True, resume=True)
     assert solves[0] == SOLVES * (LAYERS - 1)
     assert json.loads((out / "quantization_report.json").read_text())["options"]["offload_activations"] is True

@@ -17,8 +17,8 @@ import optq
 from optq.formats.files import INDEX, read_index
 from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear, replace_linears
-from optq.pipeline.stream import assemble as assemble_mod
 from optq.pipeline.blocks.discovery import find_blocks
+from optq.pipeline.stream import assemble as assemble_mod
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
@@ -125,7 +125,9 @@ def test_fp32_streaming_output_is_byte_identical_to_quantize_and_save(arch, kit,
     # file as stored. Both carry the same quantization_config.
     s_cfg, m_cfg = json.loads(streamed["config.json"]), json.loads(saved["config.json"])
     assert s_cfg["quantization_config"] == m_cfg["quantization_config"]
-    assert {k: v for k, v in s_cfg.items() if k != "quantization_config"} == json.loads((src / "config.json").read_text())
+    assert {k: v for k, v in s_cfg.items() if k != "quantization_config"} == json.loads(
+        (src / "config.json").read_text()
+    )
     # The same layer statistics as the in-memory run.
     s_rep = json.loads(streamed[kit.REPORT])
     assert set(s_rep["layers"]) == set(report.layers)

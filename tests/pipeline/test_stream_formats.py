@@ -22,7 +22,9 @@ def test_streamed_format_equals_the_in_memory_save(tmp_path, fmt):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
     report = optq.quantize(model, calib, CFG, progress=False)
     optq.save(model, tmp_path / "memory", solutions=report.solutions, format=fmt)
-    assert (tmp_path / "stream" / "model.safetensors").read_bytes() == (tmp_path / "memory" / "model.safetensors").read_bytes()
+    assert (tmp_path / "stream" / "model.safetensors").read_bytes() == (
+        tmp_path / "memory" / "model.safetensors"
+    ).read_bytes()
     import json
 
     def qc(folder):
@@ -46,6 +48,7 @@ def test_compressed_tensors_refuses_act_order_without_static_groups_up_front(tmp
     build("llama").save_pretrained(tmp_path / "src")
     cfg = optq.QuantConfig(bits=4, group_size=16, act_order=True, static_groups=False)
     with pytest.raises(ValueError, match="static groups"):
-        quantize_pretrained(tmp_path / "src", tmp_path / "q", tokens(n=2, seqlen=16), cfg,
-                            format="compressed-tensors", progress=False)
+        quantize_pretrained(
+            tmp_path / "src", tmp_path / "q", tokens(n=2, seqlen=16), cfg, format="compressed-tensors", progress=False
+        )
     assert not (tmp_path / "q.partial").exists()  # refused before any work

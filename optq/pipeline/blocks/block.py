@@ -39,8 +39,14 @@ __all__ = ["quantize_block"]
 log = logging.getLogger("optq.pipeline")
 
 
-def quantize_block(run: Run, prefix: str, block: nn.Module,
-                   inputs: tuple[list[torch.Tensor], list[capture.Call]], report: Report, bar: object) -> None:
+def quantize_block(
+    run: Run,
+    prefix: str,
+    block: nn.Module,
+    inputs: tuple[list[torch.Tensor], list[capture.Call]],
+    report: Report,
+    bar: object,
+) -> None:
     """Quantize one block's targets; ``inputs`` (its hidden states and call arguments per batch):
     the hidden states are replaced by the block's outputs."""
     hidden, calls = inputs
@@ -67,8 +73,15 @@ def quantize_block(run: Run, prefix: str, block: nn.Module,
         log.warning("%s is never called by its block; left unquantized", name)
     starved = [n for n in schedule.unused if n not in never and not any(n in s for st in stages for s in st.subsets)]
     experts = any(st.module is not None for st in stages)
-    why = ("experts" if experts else "several processes" if run.dist.active
-           else ", ".join(schedule.repeated) + " called more than once per forward" if schedule.repeated else None)
+    why = (
+        "experts"
+        if experts
+        else "several processes"
+        if run.dist.active
+        else ", ".join(schedule.repeated) + " called more than once per forward"
+        if schedule.repeated
+        else None
+    )
     if run.settings.strategy == "pause" and why is None:
         _paused(work, schedule, original)
         return
@@ -79,8 +92,13 @@ def quantize_block(run: Run, prefix: str, block: nn.Module,
     _replayed(work, schedule, stages, starved, original)
 
 
-def _replayed(work: BlockWork, schedule: capture.Schedule, stages: list[Stage], starved: list[str],
-              original: list[torch.Tensor] | None) -> None:
+def _replayed(
+    work: BlockWork,
+    schedule: capture.Schedule,
+    stages: list[Stage],
+    starved: list[str],
+    original: list[torch.Tensor] | None,
+) -> None:
     memo = Memo(work.block, work.prefix, list(work.linears), schedule.order, work.mine)
     tally = moe_block.ExpertTally(discovery_forwards=schedule.forwards)
     k = 0
@@ -108,8 +126,9 @@ def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset
     t0 = time.perf_counter()
     hess = work.new_hessian(subset)
     with work.run.dist.failing_together(), naming_inputs(work.prefix, subset), memo.replay_pass() as at_batch:
-        capture.collect_hessian(work.block, work.linears, subset, schedule.order, work.hidden, work.calls, hess,
-                                before_batch=at_batch)
+        capture.collect_hessian(
+            work.block, work.linears, subset, schedule.order, work.hidden, work.calls, hess, before_batch=at_batch
+        )
     hess.all_reduce(work.run.dist)
     work.release()
     work.solve(k, [SolveUnit(subset, hess, work.run.settings.method, t0)])
@@ -133,8 +152,13 @@ def _paused(work: BlockWork, schedule: capture.Schedule, original: list[torch.Te
             _keep(work.hidden, b, out)
 
 
-def _forward_in_place(block: nn.Module, hidden: list[torch.Tensor], calls: list[capture.Call],
-                      release: Callable[[], None], before_batch: Callable[[int], None] | None = None) -> None:
+def _forward_in_place(
+    block: nn.Module,
+    hidden: list[torch.Tensor],
+    calls: list[capture.Call],
+    release: Callable[[], None],
+    before_batch: Callable[[int], None] | None = None,
+) -> None:
     # Each batch's output is written into its input's buffer as soon as it exists: the
     # activations are held once plus one batch, in the same buffers for the whole run (the
     # buffers are private copies made at capture; see _keep).

@@ -87,9 +87,7 @@ def calibration_samples(
                 f"got {calibration.dtype} {tuple(calibration.shape)}"
             )
         if calibration.dim() == 1:
-            samples = _windows(
-                calibration.long(), nsamples or DEFAULT_NSAMPLES, seqlen or DEFAULT_SEQLEN, seed
-            )
+            samples = _windows(calibration.long(), nsamples or DEFAULT_NSAMPLES, seqlen or DEFAULT_SEQLEN, seed)
         else:
             samples = list(calibration.long())
     elif isinstance(calibration, Sequence) and all(isinstance(t, torch.Tensor) for t in calibration):
@@ -121,8 +119,7 @@ def calibration_samples(
             )
     if max_positions is not None and max(s.numel() for s in samples) > max_positions:
         raise ValueError(
-            f"calibration samples are longer than the model's {max_positions} positions; "
-            "pass seqlen to truncate them"
+            f"calibration samples are longer than the model's {max_positions} positions; pass seqlen to truncate them"
         )
     return samples
 

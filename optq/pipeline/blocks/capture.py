@@ -80,10 +80,7 @@ def _accepts(fn: Callable, name: str) -> bool:
 
 
 def capture_inputs(
-    model: nn.Module,
-    blocks: Sequence[nn.Module],
-    batches: Sequence[torch.Tensor],
-    device: torch.device,
+    model: nn.Module, blocks: Sequence[nn.Module], batches: Sequence[torch.Tensor], device: torch.device
 ) -> tuple[list[torch.Tensor], list[list[Call]]]:
     """Hidden states entering the first block (one tensor per batch, on ``device``) and the
     other arguments of every block (``calls[block][batch]``), from one recorded model pass."""
@@ -173,8 +170,12 @@ class Schedule:
 
 
 def discover_subsets(
-    block: nn.Module, linears: dict[str, nn.Module], targets: Sequence[str], hidden: torch.Tensor | Sequence[torch.Tensor],
-    call: Call | Sequence[Call], known: Sequence[str] = (),
+    block: nn.Module,
+    linears: dict[str, nn.Module],
+    targets: Sequence[str],
+    hidden: torch.Tensor | Sequence[torch.Tensor],
+    call: Call | Sequence[Call],
+    known: Sequence[str] = (),
 ) -> Schedule:
     """Run the block on its first batch and group ``targets`` by the input tensor they share (see
     ``Schedule``). Targets the first batch does not call (experts it routes no token to) are looked for
@@ -217,8 +218,9 @@ def discover_subsets(
     return Schedule(subsets, order, unused, repeated, forwards)
 
 
-def _one_forward(block: nn.Module, linears: dict[str, nn.Module], hidden: torch.Tensor,
-                 call: Call) -> tuple[list[str], dict[str, tuple]]:
+def _one_forward(
+    block: nn.Module, linears: dict[str, nn.Module], hidden: torch.Tensor, call: Call
+) -> tuple[list[str], dict[str, tuple]]:
     # The sequence of linear calls of one forward, and each linear's first input's identity.
     order: list[str] = []
     first_key: dict[str, tuple] = {}

@@ -68,9 +68,7 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def select_names(
-    names: Sequence[str],
-    include: Sequence[str] | str | None = None,
-    exclude: Sequence[str] | str | None = None,
+    names: Sequence[str], include: Sequence[str] | str | None = None, exclude: Sequence[str] | str | None = None
 ) -> list[str]:
     """Filter module names: kept if some ``include`` pattern matches (all when None) and no
     ``exclude`` pattern does. Patterns are wildcards (``*.mlp.*``, ``q_proj``) or ``re:REGEX``.
@@ -86,7 +84,7 @@ def select_names(
                 try:
                     re.compile(p[3:])
                 except re.error as exc:
-                    raise ValueError(f"{kind} pattern {p!r} is not a valid regular expression: {exc}")
+                    raise ValueError(f"{kind} pattern {p!r} is not a valid regular expression: {exc}") from None
             if not any(_matches(n, p) for n in names):
                 example = ", ".join(list(names)[:3])
                 raise ValueError(
@@ -98,8 +96,9 @@ def select_names(
     return [n for n in kept if not any(_matches(n, p) for p in exclude)]
 
 
-def drop_routers(names: Sequence[str], targets: set[str],
-                 include: Sequence[str] | str | None) -> tuple[set[str], list[str]]:
+def drop_routers(
+    names: Sequence[str], targets: set[str], include: Sequence[str] | str | None
+) -> tuple[set[str], list[str]]:
     """``targets`` without the mixture-of-experts routers, and the routers dropped.
 
     A router stays a target only when an ``include`` pattern is about routers: one that matches

@@ -61,8 +61,7 @@ def solve_units(work: BlockWork, units: Sequence[SolveUnit], first: int) -> None
             if part:
                 solve_group(work, unit, first + u, part)
     dist.seconds["solve"] += time.perf_counter() - started
-    payload = {n: (report.layers.pop(n), _own(report.solutions.pop(n)), report.fallbacks.pop(n, None))
-               for n in mine}
+    payload = {n: (report.layers.pop(n), _own(report.solutions.pop(n)), report.fallbacks.pop(n, None)) for n in mine}
     gathered = dist.gather(payload)
     for unit in units:
         for name in unit.subset:
@@ -87,8 +86,17 @@ def _after(work: BlockWork, subset: Sequence[str]) -> None:
 
 def _own(sol: solver.Solution) -> solver.Solution:
     # A member's weight is a view of the group's stacked solution: sent alone, not the whole.
-    return solver.Solution(weight=sol.weight.detach().clone(), codes=sol.codes, scales=sol.scales, zeros=sol.zeros,
-                           g_idx=sol.g_idx, perm=sol.perm, loss=sol.loss, damp=sol.damp, config=sol.config)
+    return solver.Solution(
+        weight=sol.weight.detach().clone(),
+        codes=sol.codes,
+        scales=sol.scales,
+        zeros=sol.zeros,
+        g_idx=sol.g_idx,
+        perm=sol.perm,
+        loss=sol.loss,
+        damp=sol.damp,
+        config=sol.config,
+    )
 
 
 def solve_group(work: BlockWork, unit: SolveUnit, index: int, members: Sequence[str] | None = None) -> None:
@@ -137,7 +145,8 @@ def solve_group(work: BlockWork, unit: SolveUnit, index: int, members: Sequence[
         n = w.shape[0]
         part = _rows(sol, row, row + n)
         obj, rtn_obj, e, out, rtn_out = (
-            float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs))
+            float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs)
+        )
         row += n
         if method == "gptq":
             part.loss = obj

@@ -40,12 +40,19 @@ class LayerHessians:
     when it normalises tokens, a plain Hessian (``plain_matrix()``, ``plain_count``) with a
     systematic sample of them. Without normalisation the two are the same matrix."""
 
-    def __init__(self, in_features: int, *, device: torch.device | str | None = None,
-                 normalize_tokens: bool = True, sample_every: int | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        *,
+        device: torch.device | str | None = None,
+        normalize_tokens: bool = True,
+        sample_every: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.main = Hessian(in_features, device=device, normalize_tokens=normalize_tokens, dtype=dtype)
-        self.plain = (Hessian(in_features, device=device, normalize_tokens=False, dtype=dtype)
-                      if normalize_tokens else None)
+        self.plain = (
+            Hessian(in_features, device=device, normalize_tokens=False, dtype=dtype) if normalize_tokens else None
+        )
         self.sample_every = PLAIN_SAMPLE_EVERY if sample_every is None else sample_every
         self.stride: int | None = None  # fixed at the first update, from its window length
         # Each token's squared norm |x_t|² and its position in its window: the trace of the plain
@@ -133,8 +140,13 @@ def token_energy_stats(energy: torch.Tensor, positions: torch.Tensor | None = No
     """
     n = int(energy.numel())
     if n == 0:
-        return {"tokens": 0, "top1pct_share": None, "position0_share": None, "position0_tokens": None,
-                "max_over_median": None}
+        return {
+            "tokens": 0,
+            "top1pct_share": None,
+            "position0_share": None,
+            "position0_tokens": None,
+            "max_over_median": None,
+        }
     e = energy.double()
     total = float(e.sum())
     k = max(1, math.ceil(n / 100))

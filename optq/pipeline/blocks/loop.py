@@ -105,8 +105,16 @@ def quantize(
     run = prepare(model, calibration, config, RunSettings.of(settings, **options), tokenizer)
     check_finite_weights({n: m for n, m in run.linears.items() if n in run.targets})
     s = run.settings
-    log.info("quantizing %d linears in %d blocks of %s on %d x %d tokens (%s, %s)", len(run.targets),
-             len(run.blocks), run.blocks_name, run.facts["nsamples"], run.facts["seqlen"], s.method, s.propagate)
+    log.info(
+        "quantizing %d linears in %d blocks of %s on %d x %d tokens (%s, %s)",
+        len(run.targets),
+        len(run.blocks),
+        run.blocks_name,
+        run.facts["nsamples"],
+        run.facts["seqlen"],
+        s.method,
+        s.propagate,
+    )
     was_training = model.training
     model.eval()
     report = new_report(run, run.options())
@@ -124,20 +132,38 @@ def quantize(
         model.train(was_training)
     report.seconds = time.perf_counter() - start
     ratio = report.totals["mean_objective_ratio"]
-    log.info("done in %.1f s: %d layers, mean objective ratio to round-to-nearest %s",
-             report.seconds, report.totals["layers"], "n/a" if ratio is None else f"{ratio:.4f}")
+    log.info(
+        "done in %.1f s: %d layers, mean objective ratio to round-to-nearest %s",
+        report.seconds,
+        report.totals["layers"],
+        "n/a" if ratio is None else f"{ratio:.4f}",
+    )
     return report
 
 
 def new_report(run: Run, options: dict[str, Any]) -> Report:
     """An empty report of ``run``, recording ``options`` (the settings and facts)."""
-    return Report(layers={}, config=run.config.to_dict(), options=options, versions=versions(),
-                  seconds=0.0, block_seconds=[], skipped=dict(run.skipped))
+    return Report(
+        layers={},
+        config=run.config.to_dict(),
+        options=options,
+        versions=versions(),
+        seconds=0.0,
+        block_seconds=[],
+        skipped=dict(run.skipped),
+    )
 
 
-def run_blocks(run: Run, source: BlockSource, sink: BlockSink,
-               activations: tuple[list[torch.Tensor], list[list[capture.Call]]], report: Report, *,
-               start: int = 0, progress: bool = True) -> None:
+def run_blocks(
+    run: Run,
+    source: BlockSource,
+    sink: BlockSink,
+    activations: tuple[list[torch.Tensor], list[list[capture.Call]]],
+    report: Report,
+    *,
+    start: int = 0,
+    progress: bool = True,
+) -> None:
     """The block loop, the one every run goes through: for each block from ``start``, load it
     (seam 1), quantize it (``quantize_block``; seam 2 inside), hand it to the sink, release it,
     commit. ``activations``: the first block's inputs (replaced by each block's outputs in
@@ -213,8 +239,10 @@ def _state(report: Report, targets: int) -> str:
     done = len(report.layers)
     if done == 0:
         return "no weight was changed"
-    return (f"the model is left partly quantized ({done} of {targets} layers, up to "
-            f"{list(report.layers)[-1]}): load it again before using it")
+    return (
+        f"the model is left partly quantized ({done} of {targets} layers, up to "
+        f"{list(report.layers)[-1]}): load it again before using it"
+    )
 
 
 def versions() -> dict[str, str]:

@@ -52,8 +52,9 @@ class Memo:
     batch by batch as they are used).
     """
 
-    def __init__(self, block: nn.Module, prefix: str, linears: Sequence[str], order: Sequence[str],
-                 targets: Sequence[str]) -> None:
+    def __init__(
+        self, block: nn.Module, prefix: str, linears: Sequence[str], order: Sequence[str], targets: Sequence[str]
+    ) -> None:
         self.children: list[_Child] = []
         self.batch = -1
         wanted = set(targets)
@@ -110,8 +111,11 @@ class Memo:
                     module.forward = old
             for child in recording:
                 # Keep a recording only if every batch called the child exactly once.
-                complete = ok and len(child.calls) == self.batch + 1 and all(
-                    child.calls.get(b) == 1 for b in range(self.batch + 1))
+                complete = (
+                    ok
+                    and len(child.calls) == self.batch + 1
+                    and all(child.calls.get(b) == 1 for b in range(self.batch + 1))
+                )
                 if not complete:
                     child.outputs = None
                 child.calls = {}

@@ -57,8 +57,9 @@ class Run:
         return f"{self.blocks_name}.{i}"
 
 
-def prepare(model: nn.Module, calibration: Any, config: QuantConfig, settings: RunSettings,
-            tokenizer: Any = None) -> Run:
+def prepare(
+    model: nn.Module, calibration: Any, config: QuantConfig, settings: RunSettings, tokenizer: Any = None
+) -> Run:
     """Check a run against ``model`` and derive its blocks, targets, batches and device (the model
     may be on the meta device). Raises ValueError/TypeError before any work.
 
@@ -72,7 +73,9 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, settings: R
     _, left_fused = unfuse_experts(model)
     skipped = {name: f"{why}: left in float" for name, why in left_fused.items()}
     blocks_name, blocks = find_blocks(model)
-    linears = {name: lin for i, blk in enumerate(blocks) for name, lin in find_linears(blk, f"{blocks_name}.{i}").items()}
+    linears = {
+        name: lin for i, blk in enumerate(blocks) for name, lin in find_linears(blk, f"{blocks_name}.{i}").items()
+    }
     if not linears:
         raise ValueError(f"{type(model).__name__} has no linear layers in its decoder blocks")
     targets = set(select_names(list(linears), settings.include, settings.exclude))
@@ -83,14 +86,22 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, settings: R
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    samples = calibration_samples(calibration, tokenizer=tokenizer, nsamples=settings.nsamples,
-                                  seqlen=settings.seqlen, seed=settings.seed,
-                                  vocab_size=getattr(emb, "num_embeddings", None), max_positions=max_positions(model))
+    samples = calibration_samples(
+        calibration,
+        tokenizer=tokenizer,
+        nsamples=settings.nsamples,
+        seqlen=settings.seqlen,
+        seed=settings.seed,
+        vocab_size=getattr(emb, "num_embeddings", None),
+        max_positions=max_positions(model),
+    )
     dist = current()
     shares = [list(Dist(dist.world_size, r).share(len(samples))) for r in range(dist.world_size)]
     if dist.active and len(samples) < dist.world_size:
-        raise ValueError(f"{len(samples)} calibration samples cannot be shared by {dist.world_size} processes; "
-                         "give at least one per process")
+        raise ValueError(
+            f"{len(samples)} calibration samples cannot be shared by {dist.world_size} processes; "
+            "give at least one per process"
+        )
     lo, hi = shares[dist.rank]  # data-parallel calibration: each rank its contiguous share
     batches = make_batches(samples[lo:hi], settings.batch_size)
     device = settings.torch_device(next(blocks[0].parameters()).device)
@@ -108,9 +119,15 @@ def prepare(model: nn.Module, calibration: Any, config: QuantConfig, settings: R
         "calibration_shares": shares,
     }
     run = Run(config, settings, blocks_name, blocks, linears, targets, batches, device, skipped, facts, dist)
-    dist.same_everywhere("the arguments (calibration, settings, targets)",
-                         [{k: v for k, v in run.options().items() if k != "device"}, sorted(targets),
-                          config.to_dict(), [s.tolist() for s in samples]])
+    dist.same_everywhere(
+        "the arguments (calibration, settings, targets)",
+        [
+            {k: v for k, v in run.options().items() if k != "device"},
+            sorted(targets),
+            config.to_dict(),
+            [s.tolist() for s in samples],
+        ],
+    )
     from optq.pipeline.stream.journal import tensor_digest
 
     run.calibration_digest = tensor_digest(list(samples))
@@ -127,8 +144,11 @@ def _float_parameters(blocks_name: str, blocks: nn.ModuleList, skipped: dict[str
             for pname, p in mod.named_parameters(recurse=False):
                 full = f"{blocks_name}.{i}.{mname}.{pname}" if mname else f"{blocks_name}.{i}.{pname}"
                 if p.dim() >= 2 and full not in skipped:
-                    skipped[full] = ("router: kept in float" if is_router(f"{blocks_name}.{i}.{mname}")
-                                     else "not a linear layer: kept in float")
+                    skipped[full] = (
+                        "router: kept in float"
+                        if is_router(f"{blocks_name}.{i}.{mname}")
+                        else "not a linear layer: kept in float"
+                    )
 
 
 def check_finite_weights(linears: dict[str, nn.Module]) -> None:

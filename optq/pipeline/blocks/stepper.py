@@ -6,7 +6,8 @@ from its input for every group (strategy="replay", the default) costs about two 
 pausing every batch's forward at the group's first linear, solving, and resuming costs one
 (strategy="pause"). Python cannot suspend a call stack inside ``nn.Module.__call__`` by itself,
 so each batch's forward runs on its own thread, and the threads take turns: exactly one runs at
-a time, in batch order, handing control back at every pause. The result is deterministic and uses the torch threads as a plain loop would.
+a time, in batch order, handing control back at every pause. The result is deterministic and
+uses the torch threads as a plain loop would.
 
 The price is memory: while paused, every batch keeps the block's intermediate tensors alive
 (e.g. the MLP's intermediate activations while the down projection is being solved). On glibc,
@@ -60,7 +61,7 @@ class _Abort(BaseException):
 
 
 class _Worker:
-    def __init__(self, owner: "PausedForwards", hidden: torch.Tensor, call: Call) -> None:
+    def __init__(self, owner: PausedForwards, hidden: torch.Tensor, call: Call) -> None:
         self.go = threading.Semaphore(0)
         self.abort = False
         self.paused_at: int | None = None
@@ -70,7 +71,7 @@ class _Worker:
         self.thread = threading.Thread(target=self._body, args=(owner, hidden, call), daemon=True)
         self.thread.start()
 
-    def _body(self, owner: "PausedForwards", hidden: torch.Tensor, call: Call) -> None:
+    def _body(self, owner: PausedForwards, hidden: torch.Tensor, call: Call) -> None:
         self.go.acquire()
         try:
             if not self.abort:
@@ -188,7 +189,7 @@ class PausedForwards:
                 h.remove()
             self.handles = []
 
-    def __enter__(self) -> "PausedForwards":
+    def __enter__(self) -> PausedForwards:
         return self
 
     def __exit__(self, *exc: object) -> None:

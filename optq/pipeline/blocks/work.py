@@ -59,9 +59,12 @@ class BlockWork:
     def new_hessian(self, subset: Sequence[str]) -> LayerHessians:
         """An empty Hessian for the input of ``subset``, in the run's Hessian dtype."""
         first = self.linears[subset[0]]
-        return LayerHessians(in_features(first), device=first.weight.device,
-                             normalize_tokens=self.run.config.normalize_tokens,
-                             dtype=self.run.settings.hessian_torch_dtype)
+        return LayerHessians(
+            in_features(first),
+            device=first.weight.device,
+            normalize_tokens=self.run.config.normalize_tokens,
+            dtype=self.run.settings.hessian_torch_dtype,
+        )
 
     def solve(self, first: int, units: Sequence[SolveUnit]) -> None:
         """Seam 2, where Hessians are summed: the units' Hessians hold every rank's calibration

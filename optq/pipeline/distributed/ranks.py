@@ -60,8 +60,10 @@ class Dist:
         try:
             return fn()
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
-            raise DistributedError(f"rank {self.rank}: a collective with the other ranks failed ({exc}); another "
-                                   "rank died or timed out (OPTQ_DIST_TIMEOUT)") from exc
+            raise DistributedError(
+                f"rank {self.rank}: a collective with the other ranks failed ({exc}); another "
+                "rank died or timed out (OPTQ_DIST_TIMEOUT)"
+            ) from exc
         finally:
             self.seconds[kind] += time.perf_counter() - t0
 
@@ -154,8 +156,9 @@ class Dist:
         gathered = self.all_gather(digest, "check")
         differ = [r for r, d in enumerate(gathered) if d != gathered[0]]
         if differ:
-            raise DistributedError(f"{what} differ between ranks (rank 0 and rank(s) {differ}); start every "
-                                   "rank with the same arguments")
+            raise DistributedError(
+                f"{what} differ between ranks (rank 0 and rank(s) {differ}); start every rank with the same arguments"
+            )
 
     def barrier(self) -> None:
         if self.active:
@@ -208,4 +211,3 @@ def _close() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-

@@ -78,8 +78,12 @@ def quantize_stage(work: BlockWork, memo: Memo, stage: Stage, first: int, tally:
 def round_starved(work: BlockWork, names: Sequence[str], first: int) -> int:
     """Experts of a model's own ModuleList that no batch ever called: rounded to nearest, their
     errors measured on H = I; returns how many groups they were."""
-    units = [SolveUnit([n], NoTokens(in_features(work.linears[n]), work.linears[n].weight.device), "rtn",
-                       time.perf_counter()) for n in names]
+    units = [
+        SolveUnit(
+            [n], NoTokens(in_features(work.linears[n]), work.linears[n].weight.device), "rtn", time.perf_counter()
+        )
+        for n in names
+    ]
     work.solve(first, units)
     for name in names:
         mark(work.report, [name], NO_TOKENS, work.run.settings.method != "rtn")

@@ -126,8 +126,10 @@ def collect_stage(work: BlockWork, memo: Memo, stage: Stage) -> Collected:
                 out.sources[rep] = f"all (fallback: {n} routed tokens < {min_tokens})"
             else:  # errors are still measured on the few routed tokens there are
                 out.rtn.add(rep)
-                out.sources[rep] = (f"routed, {n} tokens < {min_tokens}: rounded to nearest (the "
-                                    "model's own expert code cannot be replayed with all tokens)")
+                out.sources[rep] = (
+                    f"routed, {n} tokens < {min_tokens}: rounded to nearest (the "
+                    "model's own expert code cannot be replayed with all tokens)"
+                )
         if ours:
             collector.run(starved, shared=stage.first, source=None)
     return out

@@ -1,28 +1,13 @@
-"""Mixture-of-experts blocks: every expert's Hessian from its own tokens, in shared passes under a
-memory budget, with a stated policy for experts the calibration data starves.
+"""Mixture-of-experts blocks as stages: which groups of linears one pass can fill together.
 
-A block's groups of linears (``capture.Schedule.subsets``) become *stages*. A dense group is a stage
-of its own, as before. The same group of every expert of one experts module (all experts'
-gate/up, then all experts' down) is one stage: their inputs do not depend on one another, so
-one replay of the block's calibration forward fills all their Hessians at once, and they are
-solved together before the next stage sees their quantized weights. When the stage's Hessians
-do not fit ``max_hessian_memory`` they are collected in chunks, one forward each: those extra
-forwards are counted and reported.
-
-Where an expert's Hessian comes from (``moe_calibration``):
-
-- ``all`` (default): every calibration token passes through every expert, for the Hessians
-  only (the block's output keeps the true routing). All experts' gate/up then share one H (the
-  block's MoE input), collected once. Chosen by measurement (docs/moe.md): on a random
-  Mixtral-shaped model it beat ``routed`` on every expert's held-out error and on the output
-  KL divergence, at about 1.45 times the CPU time of routed-only calibration (top-2 of 8).
-- ``routed``: the tokens the router sends to it, as in the model's own forward. An
-  expert routed fewer than ``moe_min_tokens`` tokens (default: its input width, below which H
-  is singular) is *starved*: its H would describe a handful of tokens. For experts optq runs
-  itself (:class:`optq.formats.experts.ExpertLinears`, every transformers MoE) it then gets the
-  ``all`` Hessian above, from one more forward; for experts in a model's own ``nn.ModuleList``
-  (custom code, whose routing optq cannot replay) it is rounded to nearest. Either way the report says so, by name. Experts of a model's own
-  ``nn.ModuleList`` are always calibrated this way: optq cannot make custom code run every token.
+A block's groups of linears (``capture.Schedule.subsets``) become *stages*. A dense group is a
+stage of its own. The same group of every expert of one experts module (all experts' gate/up,
+then all experts' down) is one stage: their inputs do not depend on one another, so one replay
+of the block's calibration forward fills all their Hessians at once (``optq.pipeline.moe.collect``,
+in chunks when they do not fit ``max_hessian_memory``), and they are solved together before the
+next stage sees their quantized weights (``optq.pipeline.moe.block``). Where each expert's
+Hessian comes from (``moe_calibration``, starved experts) is described in
+``optq.pipeline.moe.collect``; docs/moe.md gives the measurements behind the defaults.
 """
 
 from __future__ import annotations
@@ -112,7 +97,11 @@ def plan_stages(block: nn.Module, prefix: str, schedule: capture.Schedule, targe
             for leaves_ in (tuple(layout.gate_up), (layout.down,)):
                 group = [f"{module_name}.{e}.{leaf}" for leaf in leaves_ if f"{module_name}.{e}.{leaf}" in targets]
                 if group:
-                    add(expert_stage(module_name, leaves_, known[module_name], leaves_ == tuple(layout.gate_up)), e, group)
+                    add(
+                        expert_stage(module_name, leaves_, known[module_name], leaves_ == tuple(layout.gate_up)),
+                        e,
+                        group,
+                    )
             continue
         module = block.get_submodule(module_name[len(prefix) + 1 :])
         seen = roles_seen.setdefault(module_name, [])

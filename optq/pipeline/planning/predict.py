@@ -1,9 +1,9 @@
 """A plan before the work: ``optq quantize --dry-run``, computed without loading a weight.
 
-``plan(source, config, settings)`` (the run's own ``QuantConfig`` and ``RunSettings``) reads the model's ``config.json`` and, for
-a folder, its safetensors headers (exact bytes); builds the model on the meta device; lists the
-decoder blocks and their linears; and predicts what :func:`optq.pipeline.stream.quantize.quantize_pretrained`
-will need, as named terms:
+``plan(source, config, settings)`` (the run's own ``QuantConfig`` and ``RunSettings``) reads the
+model's ``config.json`` and, for a folder, its safetensors headers (exact bytes); builds the
+model on the meta device; lists the decoder blocks and their linears; and predicts what
+:func:`optq.pipeline.stream.quantize.quantize_pretrained` will need, as named terms:
 
 peak RAM = max(capture, blocks phase, assembly), where (T = nsamples x seqlen calibration
 tokens, b = min(batch_size, nsamples) x seqlen tokens per forward, h hidden, i intermediate, c
@@ -70,8 +70,15 @@ __all__ = ["plan"]
 _REPORT_BYTES_PER_LAYER, _REPORT_BYTES_PER_BLOCK, _REPORT_BYTES = 495, 26, 2900
 
 
-def plan(source: Any, config: QuantConfig, settings: RunSettings | None = None, *,
-         source_dtype: torch.dtype | None = None, speed: dict[str, float] | None = None, **options: Any) -> RunPlan:
+def plan(
+    source: Any,
+    config: QuantConfig,
+    settings: RunSettings | None = None,
+    *,
+    source_dtype: torch.dtype | None = None,
+    speed: dict[str, float] | None = None,
+    **options: Any,
+) -> RunPlan:
     """The plan of quantizing ``source`` (a model folder, built-in name, config dict or
     transformers config) with ``config`` and ``settings`` (the run's own ``RunSettings``, with
     ``options`` replacing its fields as in ``optq.quantize``): reads no tensor data.
@@ -98,8 +105,15 @@ def plan(source: Any, config: QuantConfig, settings: RunSettings | None = None, 
     names = {f"{blocks_name}.{i}": find_linears(blk, f"{blocks_name}.{i}") for i, blk in enumerate(blocks)}
     all_names = [n for lin in names.values() for n in lin]
     targets, _ = drop_routers(all_names, set(select_names(all_names, s.include, s.exclude)), s.include)
-    tally = _Tally(config, s, T, int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 1), targets,
-                   layer_namer(checkpoint_namer(model)), source_dtype)
+    tally = _Tally(
+        config,
+        s,
+        T,
+        int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 1),
+        targets,
+        layer_namer(checkpoint_namer(model)),
+        source_dtype,
+    )
     for i, blk in enumerate(blocks):
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
@@ -109,16 +123,30 @@ def plan(source: Any, config: QuantConfig, settings: RunSettings | None = None, 
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
     emb_ids = {id(p) for p in model.get_input_embeddings().parameters()}
     block_ids = {id(t) for t in [*blocks.parameters(), *blocks.buffers()]}
-    outside = sum(t.numel() * (c if t.is_floating_point() else t.element_size()) for t in tensors.values()
-                  if id(t) not in block_ids and (id(t) not in head_ids or id(t) in emb_ids))
+    outside = sum(
+        t.numel() * (c if t.is_floating_point() else t.element_size())
+        for t in tensors.values()
+        if id(t) not in block_ids and (id(t) not in head_ids or id(t) in emb_ids)
+    )
     act, one_block, temps = T * h * c, max(tally.block_params) * c, b * (3 * inter + 3 * h) * 4
-    capture = {"runtime": RUNTIME_BYTES, "embeddings (+ norm)": outside, "one block": one_block,
-               "activations": act, "batch temporaries": temps}
-    ram = {"runtime": RUNTIME_BYTES, "one block": one_block, "activations": act,
-           "recorded outputs (replay)": act if s.strategy == "replay" else 0,
-           "original outputs": act if s.propagate == "original" else 0,
-           "paused forwards": T * (inter + 2 * h) * c if s.strategy == "pause" else 0,
-           "batch temporaries": temps, "hessians": tally.peak[0], "solve workspace": tally.peak[1]}
+    capture = {
+        "runtime": RUNTIME_BYTES,
+        "embeddings (+ norm)": outside,
+        "one block": one_block,
+        "activations": act,
+        "batch temporaries": temps,
+    }
+    ram = {
+        "runtime": RUNTIME_BYTES,
+        "one block": one_block,
+        "activations": act,
+        "recorded outputs (replay)": act if s.strategy == "replay" else 0,
+        "original outputs": act if s.propagate == "original" else 0,
+        "paused forwards": T * (inter + 2 * h) * c if s.strategy == "pause" else 0,
+        "batch temporaries": temps,
+        "hessians": tally.peak[0],
+        "solve workspace": tally.peak[1],
+    }
     ram = {k: int(v) for k, v in ram.items() if v or k in ("activations", "hessians", "solve workspace")}
 
     replaced = {k.rsplit(".", 1)[0] for k in tally.packed}
@@ -133,27 +161,60 @@ def plan(source: Any, config: QuantConfig, settings: RunSettings | None = None, 
         small += _json_len({"metadata": {"total_size": tensor_bytes}, "weight_map": weight_map})
     block_files = sum(_nbytes(v) for v in tally.packed.values()) + sum(
         _header_bytes({k: v for k, v in tally.packed.items() if k.startswith(f"{blocks_name}.{i}.")})
-        for i in range(len(blocks)))
-    disk = {"output tensors": tensor_bytes, "output headers, config, report, copied files": headers + small,
-            "journal: packed blocks": block_files, "journal: activations (2 files while replaced)": 2 * act}
+        for i in range(len(blocks))
+    )
+    disk = {
+        "output tensors": tensor_bytes,
+        "output headers, config, report, copied files": headers + small,
+        "journal: packed blocks": block_files,
+        "journal: activations (2 files while replaced)": 2 * act,
+    }
     assembly = {"runtime": RUNTIME_BYTES, "largest output tensor (mapped + copied)": 2 * max(sizes.values(), default=0)}
 
     sp = speed or machine_speed()
-    seconds = {"forwards": passes * (tally.flops + attn_flops) / sp["flops"], "hessians": tally.hess_flops / sp["flops"],
-               "solves": tally.solve_units * sp["solve_unit"], "assembly": (tensor_bytes + headers) / 0.5e9}
+    seconds = {
+        "forwards": passes * (tally.flops + attn_flops) / sp["flops"],
+        "hessians": tally.hess_flops / sp["flops"],
+        "solves": tally.solve_units * sp["solve_unit"],
+        "assembly": (tensor_bytes + headers) / 0.5e9,
+    }
     notes = []
     three_d = [n for n, p in blocks[-1].named_parameters() if p.dim() >= 3]
     if three_d:
-        notes.append(f"{len(three_d)} fused 3-D parameter(s) per block ({', '.join(three_d[:3])}) have a layout optq "
-                     "does not unfuse: they are kept as stored, in float, and reported (as the pipeline does)")
-    shown = {"nsamples": nsamples, "seqlen": seqlen, "batch_size": s.batch_size, "bits": config.bits,
-             "group_size": config.group_size, "strategy": s.strategy, "propagate": s.propagate, "format": s.format,
-             "compute_dtype": _name(compute_dtype), "max_shard_size": str(s.max_shard_size),
-             "source_dtype": _name(source_dtype), "hessian_dtype": s.hessian_dtype, "hidden": h,
-             "intermediate": inter, "tokens": T, "speed": sp}
-    return RunPlan(model=str(getattr(src, "folder", cfg.get("model_type"))), blocks_name=blocks_name,
-                   blocks=tally.listing, settings=shown, capture=capture, ram=ram, assembly=assembly, disk=disk,
-                   seconds=seconds, notes=notes)
+        notes.append(
+            f"{len(three_d)} fused 3-D parameter(s) per block ({', '.join(three_d[:3])}) have a layout optq "
+            "does not unfuse: they are kept as stored, in float, and reported (as the pipeline does)"
+        )
+    shown = {
+        "nsamples": nsamples,
+        "seqlen": seqlen,
+        "batch_size": s.batch_size,
+        "bits": config.bits,
+        "group_size": config.group_size,
+        "strategy": s.strategy,
+        "propagate": s.propagate,
+        "format": s.format,
+        "compute_dtype": _name(compute_dtype),
+        "max_shard_size": str(s.max_shard_size),
+        "source_dtype": _name(source_dtype),
+        "hessian_dtype": s.hessian_dtype,
+        "hidden": h,
+        "intermediate": inter,
+        "tokens": T,
+        "speed": sp,
+    }
+    return RunPlan(
+        model=str(getattr(src, "folder", cfg.get("model_type"))),
+        blocks_name=blocks_name,
+        blocks=tally.listing,
+        settings=shown,
+        capture=capture,
+        ram=ram,
+        assembly=assembly,
+        disk=disk,
+        seconds=seconds,
+        notes=notes,
+    )
 
 
 @dataclass
@@ -186,11 +247,23 @@ class _Tally:
         rows = []
         for n, mod in lin.items():
             N, K = get_weight(mod).shape
-            rows.append({"name": n, "in": int(K), "out": int(N), "group": group_of[n].split("@")[0].rpartition(".")[2],
-                         "quantized": n in self.targets})
+            rows.append(
+                {
+                    "name": n,
+                    "in": int(K),
+                    "out": int(N),
+                    "group": group_of[n].split("@")[0].rpartition(".")[2],
+                    "quantized": n in self.targets,
+                }
+            )
             if n in self.targets:
-                layout = packed_layout(s.format, (int(N), int(K)), bias=getattr(mod, "bias", None) is not None,
-                                       scheme=scheme, float_dtype=self.source_dtype)
+                layout = packed_layout(
+                    s.format,
+                    (int(N), int(K)),
+                    bias=getattr(mod, "bias", None) is not None,
+                    scheme=scheme,
+                    float_dtype=self.source_dtype,
+                )
                 self.packed.update({f"{self.layer_name(n)}.{k}": v for k, v in layout.items()})
             self.flops += 2 * (T * self.top_k // len(siblings(lin, n)) if expert_parts(n) else T) * N * K
         stage_hessians: dict[str, int] = {}
@@ -228,13 +301,19 @@ class _Tally:
 def _small_files(cfg: dict[str, Any], qconfig: dict[str, Any], n_blocks: int, targets: set[str], src: Any) -> int:
     # config.json, quantize_config.json, the report, and the source's copied files.
     conf = {k: v for k, v in cfg.items() if k != "quantization_config"} | {"quantization_config": qconfig}
-    small = (_json_len(conf) + _json_len(qconfig) + _REPORT_BYTES + n_blocks * _REPORT_BYTES_PER_BLOCK
-             + sum(_REPORT_BYTES_PER_LAYER + 2 * len(n) for n in targets))
+    small = (
+        _json_len(conf)
+        + _json_len(qconfig)
+        + _REPORT_BYTES
+        + n_blocks * _REPORT_BYTES_PER_BLOCK
+        + sum(_REPORT_BYTES_PER_LAYER + 2 * len(n) for n in targets)
+    )
     if src is not None:
         from optq.pipeline.stream.assemble import COPIED, NOT_COPIED
 
-        small += sum(p.stat().st_size for pat in COPIED for p in src.folder.glob(pat)
-                     if p.name not in NOT_COPIED and p.is_file())
+        small += sum(
+            p.stat().st_size for pat in COPIED for p in src.folder.glob(pat) if p.name not in NOT_COPIED and p.is_file()
+        )
     return small
 
 

@@ -60,8 +60,12 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(peak_ram=self.peak_ram, output_bytes=self.output_bytes, disk_peak=self.disk_peak,
-                   total_seconds=sum(self.seconds.values()))
+        out.update(
+            peak_ram=self.peak_ram,
+            output_bytes=self.output_bytes,
+            disk_peak=self.disk_peak,
+            total_seconds=sum(self.seconds.values()),
+        )
         return out
 
     def format(self, max_blocks: int = 2) -> str:
@@ -69,14 +73,18 @@ class RunPlan:
         s = self.settings
         n_lin = sum(len(b["linears"]) for b in self.blocks)
         n_q = sum(x["quantized"] for b in self.blocks for x in b["linears"])
-        head = f"model {self.model}: {len(self.blocks)} blocks in {self.blocks_name}, {n_lin} linears ({n_q} to quantize)"
-        calib = (f"calibration {s['nsamples']} x {s['seqlen']} tokens, batch {s['batch_size']}, "
-                 f"compute {s['compute_dtype']}, source {s['source_dtype']}, {s['bits']}-bit g{s['group_size']}, "
-                 f"{s['strategy']}, propagate {s['propagate']}")
+        head = (
+            f"model {self.model}: {len(self.blocks)} blocks in {self.blocks_name}, {n_lin} linears ({n_q} to quantize)"
+        )
+        calib = (
+            f"calibration {s['nsamples']} x {s['seqlen']} tokens, batch {s['batch_size']}, "
+            f"compute {s['compute_dtype']}, source {s['source_dtype']}, {s['bits']}-bit g{s['group_size']}, "
+            f"{s['strategy']}, propagate {s['propagate']}, hessians {s['hessian_dtype']}"
+        )
         lines = [head, calib, ""]
         kinds: dict[tuple, list[dict[str, Any]]] = {}
         for b in self.blocks:
-            sig = tuple((x["name"][len(b["name"]) + 1:], x["in"], x["out"], x["quantized"]) for x in b["linears"])
+            sig = tuple((x["name"][len(b["name"]) + 1 :], x["in"], x["out"], x["quantized"]) for x in b["linears"])
             kinds.setdefault(sig, []).append(b)
         for sig, members in list(kinds.items())[:max_blocks]:
             b = members[0]
@@ -90,8 +98,8 @@ class RunPlan:
         def table(title: str, terms: dict[str, int]) -> None:
             lines.append(title)
             for k, v in terms.items():
-                lines.append(f"  {k:<32} {v / GB:10.3f} GB")
-            lines.append(f"  {'total':<32} {sum(terms.values()) / GB:10.3f} GB")
+                lines.append(f"  {k:<32} {_size(v)}")
+            lines.append(f"  {'total':<32} {_size(sum(terms.values()))}")
 
         table("peak RAM while capturing the first block's inputs", self.capture)
         table("peak RAM while quantizing blocks", self.ram)
@@ -100,13 +108,18 @@ class RunPlan:
         lines.append("")
         lines.append("disk")
         for k, v in self.disk.items():
-            lines.append(f"  {k:<48} {v / GB:10.3f} GB")
-        lines.append(f"output {self.output_bytes / GB:.3f} GB; needed at the peak (output + packed blocks, "
-                     f"or the journal while running) {self.disk_peak / GB:.3f} GB")
+            lines.append(f"  {k:<48} {_size(v)}")
+        lines.append(
+            f"output {self.output_bytes / GB:.3f} GB; needed at the peak (output + packed blocks, "
+            f"or the journal while running) {self.disk_peak / GB:.3f} GB"
+        )
         lines.append("")
         total = sum(self.seconds.values())
-        lines.append("time (rough, +-50%): " + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
-                     + f"; total {total:.0f} s = {total / 3600:.2f} h")
+        lines.append(
+            "time (rough, +-50%): "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+            + f"; total {total:.0f} s = {total / 3600:.2f} h"
+        )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -135,3 +148,11 @@ def machine_speed() -> dict[str, float]:
         solve = min(solve, time.perf_counter() - t)
     _SPEED.update(flops=2 * 1024 * 1024 * 2048 / best, solve_unit=solve / (2 * 1024**3))
     return dict(_SPEED)
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest unit that keeps a digit before the point (small models plan in kB)."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:10.3f} {unit}"
+    return f"{n:10.0f} B"

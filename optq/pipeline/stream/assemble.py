@@ -30,8 +30,14 @@ COPIED = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 NOT_COPIED = {"config.json", INDEX, REPORT_FILE, "quantize_config.json"}
 
 
-def assemble(src: SafetensorsSource, journal: Journal, qconfig: dict[str, Any], report: Report, n_blocks: int,
-             max_shard_size: int | str) -> None:
+def assemble(
+    src: SafetensorsSource,
+    journal: Journal,
+    qconfig: dict[str, Any],
+    report: Report,
+    n_blocks: int,
+    max_shard_size: int | str,
+) -> None:
     """Write the final shards, config, tokenizer files and report into ``journal.final``: packed
     tensors from the journal, every other tensor copied from the source as stored, under the
     source's own names, one tensor in memory at a time."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from optq.formats.files import atomic_write, move_into_place
+from optq.formats.atomic import atomic_write, move_into_place
 from optq.pipeline.distributed.ranks import Dist
 
 __all__ = ["Journal", "JournalError", "partial_path", "tensor_digest"]
@@ -75,8 +75,11 @@ def _writing(what: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        hint = ("the disk is full: free space, then rerun with --resume"
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that, then rerun with --resume")
+        hint = (
+            "the disk is full: free space, then rerun with --resume"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "fix that, then rerun with --resume"
+        )
         raise JournalError(f"cannot write {what} ({exc.strerror or exc}); {hint}") from exc
 
 
@@ -87,8 +90,9 @@ class Journal:
     JSON-able value or digest; resuming a journal whose manifest differs names the parts.
     """
 
-    def __init__(self, out: str | Path, manifest: dict[str, Any], *, resume: bool, overwrite: bool,
-                 dist: Dist | None = None) -> None:
+    def __init__(
+        self, out: str | Path, manifest: dict[str, Any], *, resume: bool, overwrite: bool, dist: Dist | None = None
+    ) -> None:
         self.out = Path(out)
         self.folder = partial_path(self.out)
         self.manifest = json.loads(_json(manifest))  # what it reads back as, for comparisons
@@ -98,13 +102,9 @@ class Journal:
         # keeps its own share of the activations in a file of its own.
         self.dist = dist or Dist()
         if self.dist.active:
-            error = None
-            if self.dist.rank == 0:
-                try:
+            with self.dist.failing_together():
+                if self.dist.rank == 0:
                     self._open(resume)
-                except Exception as exc:
-                    error = exc
-            self.dist.check(error)
             if self.dist.rank != 0 and self.folder.exists() and (self.folder / STATE).exists():
                 self._open_existing()
             return
@@ -119,8 +119,7 @@ class Journal:
                 return
             if not self.overwrite:
                 raise JournalError(
-                    f"{self.folder} holds an unfinished run; pass --resume to continue it or "
-                    "--overwrite to start again"
+                    f"{self.folder} holds an unfinished run; pass --resume to continue it or --overwrite to start again"
                 )
             shutil.rmtree(self.folder)
         elif resume:
@@ -162,8 +161,9 @@ class Journal:
         tmp = path.with_name(f".{path.name}.tmp")
         with _writing(path):
             try:
-                save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-                          metadata={"format": "pt"})
+                save_file(
+                    {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"}
+                )
                 os.chmod(tmp, 0o644)
                 os.replace(tmp, path)
             except BaseException:
@@ -181,14 +181,11 @@ class Journal:
     def commit(self, done: int, hidden: Sequence[torch.Tensor] | None, report: dict[str, Any]) -> None:
         """Record ``done`` blocks finished, with the activations entering the next block."""
         acts = None
-        error = None
-        try:
+        # Every rank's activations are on disk before the state says so.
+        with self.dist.failing_together():
             if hidden is not None:
                 acts = self._activations_name(done)
                 self._save(self.folder / acts, {f"{b:06d}": h for b, h in enumerate(hidden)})
-        except Exception as exc:
-            error = exc
-        self.dist.check(error)  # every rank's activations are on disk before the state says so
         old = self.state.get("activations")
         self.state = {"done": done, "activations": acts, "report": report}
         if self.dist.rank == 0:

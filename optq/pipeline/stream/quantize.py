@@ -89,8 +89,13 @@ def quantize_pretrained(
     model = src.skeleton(dtype)
     run = prepare(model, calibration, config, settings, tokenizer)
     src.use_names(checkpoint_namer(model))  # after prepare, which splits fused experts per expert
-    options_ = {**run.options(), "compute_dtype": _name(dtype), "source_dtype": _name(src.dtype), "streaming": True,
-                **(provenance or {})}
+    options_ = {
+        **run.options(),
+        "compute_dtype": _name(dtype),
+        "source_dtype": _name(src.dtype),
+        "streaming": True,
+        **(provenance or {}),
+    }
     manifest = {
         "source": _source_digest(src),
         "calibration": run.calibration_digest,
@@ -102,9 +107,17 @@ def quantize_pretrained(
     journal = Journal(out, manifest, resume=resume, overwrite=overwrite, dist=run.dist)
     report = new_report(run, options_)
     restore(report, journal.state.get("report"))
-    log.info("streaming %d blocks of %s from %s (%s) in %s on %s, %d x %d calibration tokens", len(run.blocks),
-             run.blocks_name, src.folder, options_["source_dtype"], options_["compute_dtype"], device,
-             run.facts["nsamples"], run.facts["seqlen"])
+    log.info(
+        "streaming %d blocks of %s from %s (%s) in %s on %s, %d x %d calibration tokens",
+        len(run.blocks),
+        run.blocks_name,
+        src.folder,
+        options_["source_dtype"],
+        options_["compute_dtype"],
+        device,
+        run.facts["nsamples"],
+        run.facts["seqlen"],
+    )
     if journal.done < len(run.blocks):  # else killed while assembling: only that is left to do
         _quantize_blocks(run, model, src, journal, report, dtype, progress)
     natural = journal.state["report"].get("natural", True)
@@ -122,8 +135,15 @@ def quantize_pretrained(
     return report
 
 
-def _quantize_blocks(run: Run, root: nn.Module, src: SafetensorsSource, journal: Journal, report: Report,
-                     dtype: torch.dtype, progress: bool) -> None:
+def _quantize_blocks(
+    run: Run,
+    root: nn.Module,
+    src: SafetensorsSource,
+    journal: Journal,
+    report: Report,
+    dtype: torch.dtype,
+    progress: bool,
+) -> None:
     """Capture the first block's inputs (or take them from the journal), then the block loop."""
     model, prefix, device = run.blocks, run.blocks_name, run.device
     head = _head_name(root)
@@ -143,8 +163,15 @@ def _quantize_blocks(run: Run, root: nn.Module, src: SafetensorsSource, journal:
             hidden = [h.to(device) for h in journal.activations()]
         if run.settings.offload_activations:
             hidden = journal.offload(hidden)
-        run_blocks(run, blocks, JournalSink(journal, run, src), (hidden, calls), report, start=journal.done,
-                   progress=progress and run.dist.rank == 0)
+        run_blocks(
+            run,
+            blocks,
+            JournalSink(journal, run, src),
+            (hidden, calls),
+            report,
+            start=journal.done,
+            progress=progress and run.dist.rank == 0,
+        )
         del hidden, calls
         src.release(root)
 

@@ -71,7 +71,8 @@ class SafetensorsSource:
         if not isinstance(self.config_dict, dict) or "model_type" not in self.config_dict:
             raise SourceError(f"{self.folder / 'config.json'} has no model_type; is it a transformers model?")
         if self.config_dict.get("quantization_config"):
-            raise SourceError(f"{self.folder} is already quantized ({self.config_dict['quantization_config'].get('quant_method')}); quantize the original model")
+            method = self.config_dict["quantization_config"].get("quant_method")
+            raise SourceError(f"{self.folder} is already quantized ({method}); quantize the original model")
         self.index = read_index(self.folder)
         self.loaded: Counter[str] = Counter()
         self.names: Callable[[str], str] = _same
@@ -131,7 +132,9 @@ class SafetensorsSource:
             with safe_open(str(self.folder / fname), framework="pt") as f:
                 tensor = f.get_tensor(name).clone()
         except Exception as exc:  # safetensors raises its own error types for damaged files
-            raise CheckpointError(f"{self.folder / fname}: cannot read {name} ({exc}); the file is truncated or corrupt") from None
+            raise CheckpointError(
+                f"{self.folder / fname}: cannot read {name} ({exc}); the file is truncated or corrupt"
+            ) from None
         self.loaded[name] += 1
         return tensor
 
@@ -145,13 +148,16 @@ class SafetensorsSource:
         """
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
-        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        for name, t in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
             if not _persistent(module, name):
                 continue
             groups.setdefault(id(t), []).append(name)
             tensors[id(t)] = t
         out: dict[str, list[str]] = {}
-        for key, names in groups.items():
+        for names in groups.values():
             if skip and all(n.startswith(skip) for n in names):
                 continue
             full = [self.names(f"{prefix}.{n}" if prefix else n) for n in names]
@@ -166,8 +172,14 @@ class SafetensorsSource:
             out[found[0]] = names
         return out
 
-    def load(self, module: nn.Module, prefix: str, device: torch.device | str, dtype: torch.dtype | None,
-             skip: tuple[str, ...] = ()) -> None:
+    def load(
+        self,
+        module: nn.Module,
+        prefix: str,
+        device: torch.device | str,
+        dtype: torch.dtype | None,
+        skip: tuple[str, ...] = (),
+    ) -> None:
         """Read ``module``'s tensors (checkpoint keys ``names(prefix.<name>)``) onto ``device``.
 
         Floating-point tensors are cast to ``dtype`` (None keeps the source dtype); ``skip`` as
@@ -193,7 +205,10 @@ class SafetensorsSource:
     def release(self, module: nn.Module, skip: tuple[str, ...] = ()) -> None:
         """Turn ``module``'s persistent tensors back into meta tensors (frees their memory)."""
         done: dict[int, Any] = {}
-        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        for name, t in [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]:
             if not _persistent(module, name) or (skip and name.startswith(skip)):
                 continue
             if id(t) not in done:
