@@ -2,7 +2,10 @@
 
 import sys
 
-from .cli import main
-
 if __name__ == "__main__":
+    try:
+        from .cli import main
+    except KeyboardInterrupt:  # Ctrl-C while the interpreter loads the command line
+        print("optq: interrupted", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

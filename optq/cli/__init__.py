@@ -109,11 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     full disk, a permission denied), 130 on Ctrl-C. Errors are printed as one ``optq: error:``
     line, with the traceback under ``-v``; anything else is a bug and keeps its traceback.
     """
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or argparse's own usage error (printed)
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        # Building the parser imports every subcommand (torch among them: about a second), so a
+        # Ctrl-C can come before the command runs: it ends as cleanly as one during the command.
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help, --version, or argparse's own usage error (printed)
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        return _run(parser, args)
+    except KeyboardInterrupt:
+        print("optq: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     verbose = getattr(args, "verbose", 0) or 0
     # Other libraries' INFO lines (matplotlib's font cache, ...) stay quiet: only optq's own
     # logger speaks at INFO, or DEBUG with -v.
@@ -124,9 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("optq: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # The reader went away (`optq inspect out | head`): what it wanted was printed. Point
         # stdout at /dev/null so the interpreter's final flush does not fail again.

@@ -8,7 +8,10 @@ streamed: one decoder block in memory at a time, written as it finishes into ``O
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -227,10 +230,34 @@ def _model_folder(name: str) -> Path:
     try:
         return local_folder(name)
     except (OSError, ValueError, RuntimeError) as exc:
+        why = " ".join(str(exc).split())
+        if name in known_models() or Path(name).expanduser().exists():
+            raise CliError(why) from None  # the zoo's or the folder's own message says what to do
+        # Neither a folder, a file nor a built-in name: most likely a typo, so the names come
+        # first; the hub's (network) error is the last guess, in short.
+        close = difflib.get_close_matches(name, known_models(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        logging.getLogger("optq.cli").debug("%s as a hub id: %s", name, why)  # shown with -v
+        found = re.search(r"[A-Za-z]+Error\b", why)
+        hub = found[0] if found else why[:120]
         raise CliError(
-            f"cannot find model {name!r}: {exc} (give a model folder, a .gguf file, a hub id, or "
-            f"a built-in name: {', '.join(known_models())})"
+            f"unknown model {name!r}: not a model folder, a .gguf file or a built-in name "
+            f"({', '.join(known_models())}){hint}; as a hub id it could not be fetched ({hub}; -v shows why)"
         ) from None
+
+
+def _hf_config(folder: Path) -> Any:
+    """The model's transformers config; a malformed field is one line naming it."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CliError(f"{folder / 'config.json'}: {' '.join(str(exc).split())}") from None
+    except Exception as exc:  # huggingface_hub's strict dataclass errors derive from Exception only
+        if type(exc).__module__.startswith(("huggingface_hub", "transformers")):
+            raise CliError(f"{folder / 'config.json'}: {' '.join(str(exc).split())}") from None
+        raise
 
 
 def _calibration_tokens(spec: str, tokenizer: Any, args: argparse.Namespace) -> Any:
@@ -313,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
 
     for source in split_sources(args.calib):
         check_text_source(source)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
     from optq.pipeline.distributed.ranks import init_from_env
@@ -323,13 +350,13 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         settings = settings_from_args(args)
         folder = _model_folder(args.model)
-        _check_seqlen(args, AutoConfig.from_pretrained(str(folder)), check_seqlen, max_positions)
+        _check_seqlen(args, _hf_config(folder), check_seqlen, max_positions)
         return _dry_run(folder, config, settings)
     # Under torchrun (WORLD_SIZE > 1): one process group, gloo on CPU, NCCL and cuda:LOCAL_RANK on GPUs.
     dist, args.device = init_from_env(args.device)
     settings = settings_from_args(args)
     folder = _model_folder(args.model)
-    _check_seqlen(args, AutoConfig.from_pretrained(str(folder)), check_seqlen, max_positions)
+    _check_seqlen(args, _hf_config(folder), check_seqlen, max_positions)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokens = _calibration_tokens(args.calib, tokenizer, args)
     load_s = time.perf_counter() - t0

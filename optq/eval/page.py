@@ -28,7 +28,7 @@ from optq.eval.page_sections import (
 )
 from optq.formats.files import read_index
 
-__all__ = ["build_page", "write_page", "find_evaluations", "PageError", "REPORT_FILE"]
+__all__ = ["build_page", "write_page", "find_evaluations", "check_report", "PageError", "REPORT_FILE"]
 
 REPORT_FILE = "quantization_report.json"
 EVALUATION_FILES = ("compare.json", "eval.json")
@@ -69,6 +69,34 @@ def _read_json(path: Path, what: str) -> Any:
         raise PageError(f"{path} does not exist ({what})") from None
     except (OSError, ValueError) as exc:
         raise PageError(f"{path} is not readable JSON ({what}): {exc}") from None
+
+
+def check_report(report: Any, path: Path) -> None:
+    """Refuse a quantization report the page cannot describe truthfully, naming the field: a page
+    that says "None-bit" or a traceback helps nobody (a hand-edited or truncated JSON)."""
+
+    def bad(field: str, want: str, got: Any) -> PageError:
+        return PageError(f"{path}: field {field!r} must be {want}, not {type(got).__name__} {got!r:.60}")
+
+    if not isinstance(report, dict):
+        raise bad("(top level)", "an object", report)
+    config = report.get("config")
+    if not isinstance(config, dict):
+        raise bad("config", "an object (the QuantConfig)", config)
+    for key, ok in (("bits", lambda v: v in (2, 3, 4, 8)), ("group_size", lambda v: v == -1 or v > 0)):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+            raise bad(f"config.{key}", "2, 3, 4 or 8" if key == "bits" else "-1 or a positive integer", value)
+    layers = report.get("layers")
+    if not isinstance(layers, dict) or not all(isinstance(r, dict) for r in layers.values()):
+        raise bad("layers", "an object of layer rows", layers)
+    for name, row in layers.items():
+        for key in ("objective", "rtn_objective"):
+            if isinstance(row.get(key), bool) or not isinstance(row.get(key), (int, float)):
+                raise bad(f"layers.{name}.{key}", "a number", row.get(key))
+    for key in ("options", "totals", "skipped", "fallbacks", "moe", "versions"):
+        if key in report and not isinstance(report[key], dict):
+            raise bad(key, "an object", report[key])
 
 
 def find_evaluations(folder: Path) -> list[Path]:
@@ -190,6 +218,7 @@ def build_page(folder: str | Path, evaluations: Sequence[str | Path] | None = No
     if not (folder / REPORT_FILE).is_file():
         raise PageError(f"{folder} has no {REPORT_FILE}: it is not a checkpoint written by optq")
     report = _read_json(folder / REPORT_FILE, "the quantization report")
+    check_report(report, folder / REPORT_FILE)
     config = _read_json(folder / "config.json", "the model config") if (folder / "config.json").is_file() else {}
     paths = find_evaluations(folder) if evaluations is None else [Path(p) for p in evaluations]
     evals = [(p, _read_json(p, "an evaluation")) for p in paths]

@@ -162,15 +162,20 @@ def atomic_write(path: str | Path, data: str | bytes, *, mode: int = 0o644) -> P
     removed. The file gets ``mode`` (ordinary data is world-readable, unlike ``mkstemp``'s 0600).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename != str(path):
+            # The temporary name is ours, not the user's: say which file could not be written.
+            raise type(exc)(exc.errno, exc.strerror or str(exc), str(path)) from exc
         raise
     return path

@@ -344,3 +344,17 @@ def test_output_into_a_closed_pipe_is_quiet(saved: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert first.startswith(str(saved).encode()) and err == "", err
+
+
+def test_a_failed_atomic_write_names_the_file_asked_for_not_its_temporary(tmp_path, monkeypatch):
+    # A read-only folder (root ignores modes, so the refusal is planted where mkstemp asks): the
+    # error must name report.html, which the user gave, not ".report.html.x1y2.tmp".
+    def refuse(dir, prefix, suffix):
+        raise PermissionError(13, "Permission denied", f"{dir}/{prefix}x1y2{suffix}")
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
+    target = tmp_path / "report.html"
+    with pytest.raises(PermissionError) as info:
+        atomic.atomic_write(target, "<html>")
+    assert info.value.filename == str(target) and info.value.strerror == "Permission denied"
+    assert not list(tmp_path.iterdir())

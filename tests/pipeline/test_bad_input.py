@@ -55,8 +55,8 @@ def test_non_finite_activations_name_the_block_and_layers(strategy):
     )
     # block 0 is quantized by then: the message says so instead of implying a clean model
     assert message.endswith(
-        "the model is left partly quantized (7 of 14 layers, up to "
-        "model.layers.0.mlp.down_proj): load it again before using it"
+        "the model is left partly quantized: blocks 0 to 0 (7 of 14 layers); block 1, where it failed, is as it "
+        "was: load the model again before using it"
     )
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.formats.linears import find_linears, get_weight
+from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.block import quantize_block
 from optq.pipeline.blocks.prepare import Run, check_finite_weights, prepare
@@ -71,6 +71,9 @@ class BlockSink(Protocol):
 
     def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
         """Block ``i`` is released; ``hidden`` holds the next block's inputs."""
+
+    def rollback(self, i: int, block: nn.Module, report: Report) -> None:
+        """Quantizing block ``i`` failed (still on the compute device): undo what it changed."""
 
 
 def quantize(
@@ -125,9 +128,9 @@ def quantize(
             run_blocks(run, memory, memory, (hidden, calls), report, progress=progress and run.dist.rank == 0)
     except ValueError as exc:
         # Found inside the loop (non-finite activations, a Hessian that cannot be factorised):
-        # every finished block was written back, the failing one was not; say what state the
-        # model is left in, since it is quantized in place.
-        raise _with_state(exc, _state(report, len(run.targets))) from exc
+        # every finished block was written back, the failing one was restored; say what state
+        # the model is left in, since it is quantized in place.
+        raise _with_state(exc, _state(report, run)) from exc
     finally:
         model.train(was_training)
     report.seconds = time.perf_counter() - start
@@ -179,7 +182,13 @@ def run_blocks(
             source.load(i, block)
             name = run.block_name(i)
             check_finite_weights({n: m for n, m in find_linears(block, name).items() if n in run.targets})
-            quantize_block(run, name, block, (hidden, calls[i]), report, bar)
+            try:
+                quantize_block(run, name, block, (hidden, calls[i]), report, bar)
+            except BaseException:
+                # A block is written back whole or not at all: a failure in its fifth layer
+                # leaves none of its layers quantized.
+                sink.rollback(i, block, report)
+                raise
             sink.pack(i, block, report)
             source.release(i, block)
             report.block_seconds.append(time.perf_counter() - t0)
@@ -197,10 +206,22 @@ class InMemory:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.home: dict[int, torch.device] = {}
+        self.backup: dict[str, torch.Tensor] = {}  # the current block's weights to quantize, as loaded
 
     def load(self, i: int, block: nn.Module) -> None:
         self.home[i] = next(block.parameters()).device
         block.to(self.run.device)
+        targets = {n: m for n, m in find_linears(block, self.run.block_name(i)).items() if n in self.run.targets}
+        self.backup = {n: get_weight(m).detach().clone() for n, m in targets.items()}
+
+    def rollback(self, i: int, block: nn.Module, report: Report) -> None:
+        for name, mod in find_linears(block, self.run.block_name(i)).items():
+            if name in self.backup:
+                set_weight(mod, self.backup[name])
+            for rows in (report.layers, report.solutions, report.fallbacks, report.solved_by):
+                rows.pop(name, None)
+        self.backup = {}
+        self.release(i, block)
 
     def release(self, i: int, block: nn.Module) -> None:
         block.to(self.home.pop(i))
@@ -209,6 +230,7 @@ class InMemory:
         pass  # the weights are written back in place as each group is solved
 
     def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
+        self.backup = {}
         # Solutions live beside the model, not on the compute device, and their dequantized
         # weight is the module's own weight tensor (a view): no second copy of the model is kept.
         home = next(block.parameters()).device
@@ -235,13 +257,14 @@ def _with_state(exc: ValueError, state: str) -> ValueError:
         return ValueError(f"{exc}; {state}")
 
 
-def _state(report: Report, targets: int) -> str:
+def _state(report: Report, run: Run) -> str:
     done = len(report.layers)
+    blocks = len(report.block_seconds)
     if done == 0:
         return "no weight was changed"
     return (
-        f"the model is left partly quantized ({done} of {targets} layers, up to "
-        f"{list(report.layers)[-1]}): load it again before using it"
+        f"the model is left partly quantized: blocks 0 to {blocks - 1} ({done} of {len(run.targets)} layers); "
+        f"block {blocks}, where it failed, is as it was: load the model again before using it"
     )
 
 

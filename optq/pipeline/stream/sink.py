@@ -69,6 +69,10 @@ class JournalSink:
                 tensors = layer.state_dict()
             self.packed.update({f"{self.module_name(lname)}.{k}": v for k, v in tensors.items()})
 
+    def rollback(self, i: int, block: nn.Module, report: Report) -> None:
+        # Nothing of block i has reached the journal: its packed tensors are dropped with the run.
+        self.packed = {}
+
     def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
         self.journal.write_block(i, self.packed)
         self.packed = {}
