@@ -80,7 +80,16 @@ def test_ctrl_c_in_the_first_second_of_a_real_process(model_dir, tmp_path):
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    time.sleep(0.4)
+    # Interrupt once torch is being loaded (its library mapped): inside the parser's imports on a
+    # machine of any speed, where the old code let the KeyboardInterrupt out as a traceback.
+    maps = f"/proc/{proc.pid}/maps"
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        with open(maps) as fh:
+            if "libtorch" in fh.read():
+                break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the command ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err
