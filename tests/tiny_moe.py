@@ -1,6 +1,7 @@
 """Tiny randomly initialised mixture-of-experts causal LMs, built in the tests (no download):
 Mixtral, Qwen2-MoE (shared expert + shared_expert_gate), Qwen3-MoE, DeepSeek-V3 (a dense first
-layer, shared + routed experts, MLA attention), and a custom Llama whose MLPs are top-1
+layer, shared + routed experts, MLA attention), GPT-OSS (transposed experts with biases, gate and
+up interleaved, a clamped SwiGLU; a biased ``mlp.router``), and a custom Llama whose MLPs are top-1
 ``nn.ModuleList`` experts where one expert is routed only the marked token and one never; and
 the quantize call the MoE pipeline tests share."""
 
@@ -24,7 +25,7 @@ MARK = VOCAB - 1  # the token that alone routes to the custom model's expert MAR
 EXPERTS = 4
 MARKED, NEVER = 2, 3  # the custom model's experts: routed only MARK, and never routed
 
-FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+FUSED = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 ALL = [*FUSED, "custom"]
 
 
@@ -75,6 +76,17 @@ def _config(arch: str):
             qk_nope_head_dim=8,
             v_head_dim=8,
             **{**common, "num_key_value_heads": 4},
+        )
+    if arch == "gpt_oss":
+        return t.GptOssConfig(
+            intermediate_size=16,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=2,
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+            # no YaRN: its factor does not fit a 64-position model (transformers warns)
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            **common,
         )
     if arch == "custom":
         return t.LlamaConfig(intermediate_size=16, **common)
@@ -134,6 +146,11 @@ def build(arch: str, seed: int = 0) -> nn.Module:
         with torch.no_grad():  # the marked token: a large first feature that survives the norms
             model.model.embed_tokens.weight[MARK] = 0.0
             model.model.embed_tokens.weight[MARK, 0] = 50.0
+    if arch == "gpt_oss":  # biases and sinks that count (the router's stays small: tokens pick experts)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "sinks")) and ".router." not in name:
+                    p.normal_(0.0, 0.02)  # as the weights: hidden states still vary by token
     return model.float().eval()
 
 

@@ -16,21 +16,39 @@ names: ``block_sparse_moe.experts.3.w1.weight`` (Mixtral), ``mlp.experts.3.gate_
 - :func:`checkpoint_namer` maps the model's tensor names to the checkpoint's (the reverse of
   transformers' load-time renamings), for writing and for reading shards.
 
-A fused module whose layout differs (biases, transposed or interleaved gate/up, no gate) or whose
-model type has no recorded per-expert checkpoint layout is left alone; :func:`unfuse_experts`
-returns it with the reason, and the run reports its weights as float, by name.
+GPT-OSS's fused experts differ (transposed, biased, gate and up interleaved, a clamped SwiGLU);
+transformers records no per-expert layout for them, so optq names them as GPTQModel and vLLM read
+them (:data:`GPT_OSS`, docs/moe-checkpoints.md): ``experts.3.gate_proj`` holds the first half of
+the fused ``gate_up_proj[3]`` columns, ``up_proj`` the second half, each with its bias, and the
+forward concatenates the halves back before the model's own gate function.
+
+A fused module of another layout (no gate, a post-expert norm, unexpected shapes) or whose model
+type has no recorded per-expert checkpoint layout is left alone; :func:`unfuse_experts` returns it
+with the reason, and the run reports its weights as float, by name.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ExpertLinears", "ExpertsLayout", "unfuse_experts", "checkpoint_namer", "experts_layout", "is_router"]
+__all__ = [
+    "ExpertLinears",
+    "ExpertLinear",
+    "ExpertsLayout",
+    "GPT_OSS",
+    "unfuse_experts",
+    "checkpoint_namer",
+    "experts_layout",
+    "fused_in_source",
+    "is_router",
+]
 
 _PER_EXPERT = re.compile(r"experts\.\*\.(\w+)\.weight$")
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -44,14 +62,33 @@ def is_router(name: str) -> bool:
 @dataclass(frozen=True)
 class ExpertsLayout:
     """How a fused module maps to per-expert linears: ``gate_up`` names the matrices stacked (in
-    this order, along the output dimension) into ``gate_up_proj[e]``; ``down`` is ``down_proj[e]``."""
+    this order, along the output dimension) into ``gate_up_proj[e]``; ``down`` is ``down_proj[e]``.
+
+    ``transposed``: the fused tensors are stored [E, in, out] (GPT-OSS), with biases
+    ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] that become the linears' biases;
+    the gate/up halves are then those of the fused columns, interleaved or not: the activation is
+    the fused module's own ``_apply_gate`` on the two halves concatenated back."""
 
     gate_up: tuple[str, ...]
     down: str
+    transposed: bool = False
+
+
+# transformers records no per-expert layout for GPT-OSS: these are the names GPTQModel's GPT-OSS
+# definition and vLLM's expert mapping read (docs/moe-checkpoints.md).
+GPT_OSS = ExpertsLayout(("gate_proj", "up_proj"), "down_proj", transposed=True)
+_OWN_LAYOUTS = {"gpt_oss": GPT_OSS}
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+_PLAIN = dict(zip(_FLAGS, (True, False, False, True, False)))  # Mixtral, Qwen-MoE, DeepSeek-V3
+_TRANSPOSED = dict(zip(_FLAGS, (True, True, True, False, False)))  # GPT-OSS
 
 
 def experts_layout(model: nn.Module) -> ExpertsLayout | None:
-    """The per-expert checkpoint layout transformers records for this model type, if any."""
+    """The per-expert checkpoint layout of this model type: the one transformers records, or for
+    GPT-OSS (which transformers keeps fused on disk too) the one optq chose, :data:`GPT_OSS`."""
+    own = _OWN_LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
+    if own is not None:
+        return own
     gate_up = down = None
     for conv in _conversions(model):
         if type(conv).__name__ != "WeightConverter":
@@ -106,11 +143,45 @@ def checkpoint_namer(model: nn.Module) -> Callable[[str], str]:
     return name
 
 
+class ExpertLinear(nn.Linear):
+    """An expert matrix with a bias, computed as the fused experts do: ``x @ W.T``, then ``+ b``
+    (``nn.Linear`` adds the bias inside the matrix product, which rounds differently at large
+    widths). Packed, saved and loaded like any ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class _GatedAct:
+    """``act(gate) * up``: the activation of the plain layouts."""
+
+    def __init__(self, act_fn: Callable) -> None:
+        self.act_fn = act_fn
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(gate) * up
+
+
+class _FusedGate:
+    """The fused module's own ``_apply_gate`` on the two halves concatenated back (GPT-OSS: the
+    clamped SwiGLU over interleaved columns), bound to a copy of its settings (alpha, limit), not
+    to the module, whose fused weights are freed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.fn = type(module)._apply_gate
+        self.settings = SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("_")})
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.settings, torch.cat([gate, up], dim=-1))
+
+
 class ExpertLinears(nn.ModuleList):
     """Routed experts as ``nn.Linear`` modules: ``self[e]`` holds expert ``e``'s matrices under
     their checkpoint names; ``forward(hidden_states, top_k_index, top_k_weights)`` is that of
-    transformers' fused experts (``act(gate(x)) * up(x)``, then ``down``, scaled by the routing
-    weight and summed per token, experts in increasing order).
+    transformers' fused experts (``activation(gate(x), up(x))``, then ``down``, scaled by the
+    routing weight and summed per token, experts in increasing order). ``activation`` is
+    ``act(gate) * up``, or for GPT-OSS the model's clamped SwiGLU on the fused columns.
 
     The module holds weights only: the pipeline's Hessian passes swap in a forward of their own
     (``optq.pipeline.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
@@ -119,7 +190,7 @@ class ExpertLinears(nn.ModuleList):
     def __init__(
         self,
         layout: ExpertsLayout,
-        act_fn: nn.Module,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         num_experts: int,
         hidden: int,
         inter: int,
@@ -128,23 +199,24 @@ class ExpertLinears(nn.ModuleList):
         dtype: torch.dtype | None = None,
     ) -> None:
         experts = []
+        cls, bias = (ExpertLinear, True) if layout.transposed else (nn.Linear, False)
         for _ in range(num_experts):
             e = nn.Module()
             for leaf in layout.gate_up:
-                setattr(e, leaf, nn.Linear(hidden, inter, bias=False, device=device, dtype=dtype))
-            setattr(e, layout.down, nn.Linear(inter, hidden, bias=False, device=device, dtype=dtype))
+                setattr(e, leaf, cls(hidden, inter, bias=bias, device=device, dtype=dtype))
+            setattr(e, layout.down, cls(inter, hidden, bias=bias, device=device, dtype=dtype))
             experts.append(e)
         super().__init__(experts)
         self.layout = layout
         # Not a child module: a ModuleList's children are its members (len, iteration, indexing).
-        self.__dict__["act_fn"] = act_fn
+        self.__dict__["activation"] = activation
         self.num_experts = num_experts
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` applied to the tokens ``x`` (without the routing weight)."""
         ex = self[e]
         gate, up = (getattr(ex, leaf)(x) for leaf in self.layout.gate_up)
-        return getattr(ex, self.layout.down)(self.act_fn(gate) * up)
+        return getattr(ex, self.layout.down)(self.activation(gate, up))
 
     def routes(
         self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -179,25 +251,26 @@ class ExpertLinears(nn.ModuleList):
         return f"num_experts={self.num_experts}, layout={self.layout}"
 
 
-def _fused_reason(module: nn.Module) -> str | None:
-    """Why a module holding 3-D expert parameters cannot become ExpertLinears (None: it can)."""
+def _fused_reason(module: nn.Module, layout: ExpertsLayout | None) -> str | None:
+    """Why a module holding 3-D expert parameters cannot become ExpertLinears of ``layout`` (the
+    model type's; None: it has none) (None: it can)."""
     gu, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
     if gu is None or down is None:
         return "fused experts without gate_up_proj/down_proj"
-    flags = {
-        "has_gate": True,
-        "has_bias": False,
-        "is_transposed": False,
-        "is_concatenated": True,
-        "has_post_expert_norm": False,
-    }
-    odd = [k for k, want in flags.items() if getattr(module, k, want) != want]
+    flags = _TRANSPOSED if layout is not None and layout.transposed else _PLAIN
+    odd = [k for k, want in flags.items() if getattr(module, k, _PLAIN[k]) != want]
     if odd:
         return "fused experts with a layout optq does not unfuse (" + ", ".join(odd) + ")"
-    if gu.dim() != 3 or down.dim() != 3 or not hasattr(module, "act_fn"):
+    if gu.dim() != 3 or down.dim() != 3 or not hasattr(module, "_apply_gate" if flags["is_transposed"] else "act_fn"):
         return "fused experts of an unknown layout"
-    e, two_i, h = gu.shape
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+    if flags["is_transposed"]:
+        e, h, two_i = gu.shape
+        shapes = [(down, (e, two_i // 2, h)), (module._parameters.get("gate_up_proj_bias"), (e, two_i))]
+        shapes.append((module._parameters.get("down_proj_bias"), (e, h)))
+    else:
+        e, two_i, h = gu.shape
+        shapes = [(down, (e, h, two_i // 2))]
+    if two_i % 2 or any(t is None or tuple(t.shape) != want for t, want in shapes):
         return f"fused experts of unexpected shapes {tuple(gu.shape)} and {tuple(down.shape)}"
     return None
 
@@ -224,7 +297,7 @@ def unfuse_experts(model: nn.Module) -> tuple[list[str], dict[str, str]]:
     done: list[str] = []
     left: dict[str, str] = {}
     for name, module in fused.items():
-        reason = _fused_reason(module)
+        reason = _fused_reason(module, layout)
         if reason is None and layout is None:
             reason = "fused experts of a model type whose per-expert checkpoint names transformers does not record"
         if reason is not None:
@@ -233,23 +306,59 @@ def unfuse_experts(model: nn.Module) -> tuple[list[str], dict[str, str]]:
                     left[f"{name}.{pname}"] = reason
             continue
         assert layout is not None
-        gu, down = module.gate_up_proj, module.down_proj
-        e, two_i, h = gu.shape
-        inter = two_i // 2
-        new = ExpertLinears(layout, module.act_fn, e, h, inter, device="meta", dtype=gu.dtype)
-        for k in range(e):
-            parts = (gu[k, :inter], gu[k, inter:])
-            for leaf, w in zip(layout.gate_up, parts):
-                getattr(new[k], leaf).weight = _param(w)
-            getattr(new[k], layout.down).weight = _param(down[k])
+        new = _split(module, layout)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         done.append(name)
     return done, left
 
 
+def _split(module: nn.Module, layout: ExpertsLayout) -> ExpertLinears:
+    """``module``'s experts as ExpertLinears: each expert's fused gate/up split in two halves of
+    its output rows, in the orientation of ``nn.Linear`` ([out, in]), biases with them."""
+    gu, down = module.gate_up_proj, module.down_proj
+    if layout.transposed:  # [E, H, 2I] and [E, I, H]: the linears' weights are their transposes
+        gu, down = gu.transpose(1, 2), down.transpose(1, 2)
+        activation: Callable = _FusedGate(module)
+    else:
+        activation = _GatedAct(module.act_fn)
+    e, two_i, h = gu.shape
+    inter = two_i // 2
+    new = ExpertLinears(layout, activation, e, h, inter, device="meta", dtype=gu.dtype)
+    for k in range(e):
+        for leaf, rows in zip(layout.gate_up, (slice(0, inter), slice(inter, two_i))):
+            getattr(new[k], leaf).weight = _param(gu[k, rows])
+            if layout.transposed:
+                getattr(new[k], leaf).bias = _param(module.gate_up_proj_bias[k, rows])
+        getattr(new[k], layout.down).weight = _param(down[k])
+        if layout.transposed:
+            getattr(new[k], layout.down).bias = _param(module.down_proj_bias[k])
+    return new
+
+
+def fused_in_source(model: nn.Module, keys: Container[str], names: Callable[[str], str]) -> str | None:
+    """Why a source checkpoint (tensor ``keys``, model names to keys ``names``) cannot fill
+    ``model``'s ExpertLinears tensor by tensor: it stores them fused (GPT-OSS's
+    ``experts.gate_up_proj``, as ``save_pretrained`` writes it), and reading an expert's matrix
+    would need a slice of a 3-D tensor. None when each expert matrix has a key of its own."""
+    for name, module in model.named_modules():
+        if not isinstance(module, ExpertLinears) or names(f"{name}.0.{module.layout.down}.weight") in keys:
+            continue
+        fused = names(f"{name}.gate_up_proj")
+        if fused in keys:
+            return (
+                f"{fused} stores the experts fused (3-D); streaming reads one tensor per expert matrix "
+                "and cannot slice it yet: quantize this model in memory (optq.quantize, then optq.save)"
+            )
+    return None
+
+
 def _param(w: torch.Tensor) -> nn.Parameter:
     # A copy of its own per expert: views of one storage would share a version counter, and the
     # pipeline's solutions watch each weight's counter for changes.
-    data = torch.empty_like(w, device="meta") if w.is_meta else w.detach().clone()
+    # Contiguous, also when ``w`` is a transposed view (GPT-OSS).
+    if w.is_meta:
+        data = torch.empty(w.shape, dtype=w.dtype, device="meta")
+    else:
+        data = w.detach().clone(memory_format=torch.contiguous_format)
     return nn.Parameter(data, requires_grad=False)

@@ -28,7 +28,7 @@ tiny_moe = pytest.importorskip("tiny_moe")
 CFG = optq.QuantConfig(bits=4, group_size=16)
 FORMATS = ["gptq", "gptq_v2", "compressed-tensors"]
 MARKER = {"gptq": "qweight", "gptq_v2": "qweight", "compressed-tensors": "weight_packed"}
-ROUTERS = ("gate", "shared_expert_gate")
+ROUTERS = ("gate", "shared_expert_gate", "router")
 MOE_LAYERS = {"deepseek_v3": 1}  # DeepSeek-V3's first layer is dense; 2 MoE layers otherwise
 IDS = tiny_moe.tokens()
 
@@ -102,7 +102,8 @@ def test_every_expert_is_packed_under_its_source_name_and_routers_stay_float(tmp
         # float linears and the routers (linears in older transformers and vLLM), source names
         routers = {k.rsplit(".", 1)[0] for k in routers}
         assert qc["ignore"] == sorted(source_name(arch, n) for n in {*find_linears(model), *routers} if n not in sols)
-        assert left in qc["ignore"] and source_name(arch, "model.layers.1.mlp.gate") in qc["ignore"]
+        router = "model.layers.1.mlp." + ("router" if arch == "gpt_oss" else "gate")
+        assert left in qc["ignore"] and source_name(arch, router) in qc["ignore"]
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
@@ -117,15 +118,16 @@ def test_load_computes_the_in_memory_quantized_model(tmp_path, arch, fmt):
     assert isinstance(experts, ExpertLinears) and experts.num_experts == tiny_moe.EXPERTS
     assert all(isinstance(loaded.get_submodule(n), QuantLinear) for n in sols)
     assert sum(isinstance(m, QuantLinear) for m in loaded.modules()) == len(sols)
-    left = loaded.get_submodule(float_expert(arch))
-    assert type(left) is torch.nn.Linear and torch.equal(left.weight, model.get_submodule(float_expert(arch)).weight)
+    left, kept = loaded.get_submodule(float_expert(arch)), model.get_submodule(float_expert(arch))
+    assert type(left) is type(kept) and torch.equal(left.weight, kept.weight)  # nn.Linear (ExpertLinear: GPT-OSS)
     for name, m in loaded.named_modules():
         if name.rsplit(".", 1)[-1] in ROUTERS:
             assert not isinstance(m, QuantLinear), name
 
 
 @pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None, reason="compressed-tensors not installed")
-@pytest.mark.parametrize("arch", tiny_moe.FUSED)
+# transformers keeps GPT-OSS's experts fused on disk too: it has no per-expert names to merge from
+@pytest.mark.parametrize("arch", [a for a in tiny_moe.FUSED if a != "gpt_oss"])
 def test_transformers_reads_the_compressed_tensors_experts(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
@@ -202,26 +204,6 @@ def test_save_splits_fused_experts_first(tmp_path):
     assert torch.allclose(logits(optq.load(tmp_path / "q")), logits(model), atol=1e-6, rtol=0)
 
 
-def _gpt_oss():
-    from transformers import AutoModelForCausalLM, GptOssConfig
-
-    torch.manual_seed(0)
-    cfg = GptOssConfig(
-        vocab_size=tiny_moe.VOCAB,
-        hidden_size=32,
-        intermediate_size=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    return AutoModelForCausalLM.from_config(cfg).float().eval()
-
-
 def _inspect(folder: Path, capsys) -> tuple[list[str], dict[str, tuple[int, int]], list[str]]:
     """(output lines, {kind: (quantized, float)}, the float-matrix lines) of ``optq inspect``."""
     from optq.cli import main
@@ -283,9 +265,13 @@ def test_inspect_counts_parameters_per_kind(tmp_path, capsys, arch):
     assert all("routers" in line for line in floats)
 
 
-def test_fused_experts_optq_cannot_split_stay_float_and_are_named(tmp_path, capsys):
-    model = _gpt_oss()
-    assert unfuse_experts(model)[0] == []  # biases, transposed layout: left fused
+def test_fused_experts_optq_cannot_split_stay_float_and_are_named(tmp_path, capsys, monkeypatch):
+    # A model type with no per-expert layout, transformers' or optq's: GPT-OSS with optq's removed.
+    from optq.formats import experts as experts_module
+
+    monkeypatch.setattr(experts_module, "_OWN_LAYOUTS", {})
+    model = tiny_moe.build("gpt_oss")
+    assert unfuse_experts(model)[0] == []  # left fused
     attention = {n: m for n, m in find_linears(model).items() if "self_attn" in n}
     sols = {n: optq.rtn(get_weight(m), optq.QuantConfig(bits=4, group_size=32)) for n, m in attention.items()}
     optq.save(model, tmp_path / "q", solutions=sols)

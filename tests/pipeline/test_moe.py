@@ -3,7 +3,7 @@ the options checked, batch-order independence, the Hessian budget, the plan, the
 streaming and the report page. Each expert's Hessian (routed, all tokens, starved, weighted)
 is checked in test_moe_hessians.py.
 
-Tiny random models (tests/tiny_moe.py): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and a custom
+Tiny random models (tests/tiny_moe.py): Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS and a custom
 top-1 ModuleList MoE whose expert MARKED is routed only the marked token (last batch) and whose
 expert NEVER is never routed."""
 
@@ -42,7 +42,7 @@ def test_every_expert_is_quantized_and_routers_stay_float(arch):
         assert torch.equal(mod.weight, sol.dequantize().to(mod.weight.dtype)), name
         assert not torch.equal(mod.weight, original[f"{name}.weight"]), name
         assert report.layers[name].hessian is not None
-    routers = [k for k in original if k.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))]
+    routers = [k for k in original if k.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight"))]
     assert routers
     for key in routers:
         assert torch.equal(model.state_dict()[key], original[key]), key
@@ -152,12 +152,14 @@ def test_quantized_moe_saves_under_source_names_and_loads_to_the_same_logits(arc
     index = read_index(tmp_path / "q")
     layer = 1  # DeepSeek-V3's first layer is dense
     expert = "block_sparse_moe.experts.2.w1" if arch == "mixtral" else "mlp.experts.2.gate_proj"
+    if arch == "gpt_oss":  # biases kept, float16 as GPTQ stores them
+        assert index[f"model.layers.{layer}.{expert}.bias"][2] == torch.float16
     assert f"model.layers.{layer}.{expert}.qweight" in index
     assert not any(".mlp.experts." in k for k in index) or arch != "mixtral"
     assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in index)
     packed = {k.rsplit(".", 1)[0] for k in index if k.endswith(".qweight")}
     assert len([k for k in packed if ".experts." in k]) == len(expert_linears(model))
-    routers = [k for k in index if k.endswith((".gate.weight", "shared_expert_gate.weight"))]
+    routers = [k for k in index if k.endswith((".gate.weight", "shared_expert_gate.weight", ".router.weight"))]
     assert routers and all(index[k][2].is_floating_point for k in routers)
     if arch == "custom":  # its config.json is a plain Llama: load into the model's own structure
         return

@@ -70,7 +70,7 @@ def test_expert_objectives_match_a_hessian_built_here(arch, mode):
             if leaf == experts.layout.down:  # all tokens through this expert's quantized gate/up
                 gate, up = (getattr(experts[e], g) for g in experts.layout.gate_up)
                 with torch.no_grad():
-                    X = experts.act_fn(gate(X)) * up(X)
+                    X = experts.activation(gate(X), up(X))
             assert row.hessian == "all" and row.tokens == X.shape[0]
         want = _objective(original[f"{name}.weight"], mod.weight, X)
         assert row.objective == pytest.approx(want, rel=2e-3, abs=1e-7), name

@@ -31,7 +31,7 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats import compressed_tensors
 from optq.formats.checkpoint import layer_namer
-from optq.formats.experts import checkpoint_namer
+from optq.formats.experts import checkpoint_namer, fused_in_source
 from optq.formats.layout import Scheme, quantization_config
 from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.loop import new_report, run_blocks, versions
@@ -41,7 +41,7 @@ from optq.pipeline.settings import RunSettings
 from optq.pipeline.stream.assemble import assemble, local_folder
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.sink import JournalSink, StreamedBlocks, restore
-from optq.pipeline.stream.source import SafetensorsSource
+from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
 __all__ = ["quantize_pretrained", "local_folder", "STREAM_FORMATS"]
 
@@ -89,6 +89,8 @@ def quantize_pretrained(
     model = src.skeleton(dtype)
     run = prepare(model, calibration, config, settings, tokenizer)
     src.use_names(checkpoint_namer(model))  # after prepare, which splits fused experts per expert
+    if (fused := fused_in_source(model, src.index, src.names)) is not None:  # GPT-OSS as saved: no slices yet
+        raise SourceError(fused)
     options_ = {
         **run.options(),
         "compute_dtype": _name(dtype),
