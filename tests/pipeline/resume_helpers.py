@@ -1,11 +1,13 @@
 """What the resume tests (test_resume.py, test_resume_guards.py) share: the run's sizes, the
-stand-in for a kill, the crash after block 1's write, and a look at the journal and the solves.
+stand-in for a kill, the crash after block 1's write or after a commit, a look at the journal and
+the solves, and the ways a journal or source file gets damaged.
 
 The source and its uninterrupted output are conftest.py's ``reference`` fixture."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from optq.core import solver
@@ -51,3 +53,39 @@ def after_write_block_1(mp, partial):
 
     mp.setattr(Journal, "write_block", write_block)
     return 1
+
+
+def after_commit(mp, blocks: int) -> None:
+    """Kill once ``blocks`` blocks are committed (state.json says so), before the next one."""
+    orig = Journal.commit
+
+    def commit(self, done, *a, **k):
+        orig(self, done, *a, **k)
+        if done == blocks:
+            raise Kill
+
+    mp.setattr(Journal, "commit", commit)
+
+
+def scribble(path: Path, n: int = 1000, seed: int = 0) -> None:
+    """Write ``n`` random bytes inside the tensor data of a safetensors file (its size unchanged)."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # the first byte after the header
+    assert len(data) - start > n, f"{path} holds only {len(data) - start} data bytes"
+    at = start + (len(data) - start - n) // 2
+    data[at : at + n] = random.Random(seed).randbytes(n)
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    """Cut a file to half its size (a copy or a write that stopped short)."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def one_line(err, *names: str) -> str:
+    """The refusal's text, checked: one line, a ValueError, naming ``names`` and --overwrite."""
+    text = str(err.value)
+    assert isinstance(err.value, ValueError) and "\n" not in text, text
+    assert all(n in text for n in names) and "--overwrite" in text, text
+    return text

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from optq.formats.checkpoint import REPORT_FILE
 from optq.formats.files import INDEX, read_header, write_json, write_safetensors_lazily
 from optq.pipeline.report import Report
+from optq.pipeline.stream.fingerprint import check_reads
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
@@ -62,7 +63,11 @@ def assemble(
         if key in packed:
             with safe_open(str(packed[key]), framework="pt") as f:
                 return f.get_tensor(key).clone()
-        return src.read(key)
+        tensor = src.read(key)
+        # Embeddings and norms were read by the capture and the blocks: what is copied must be
+        # what the run calibrated with, or the checkpoint would mix two models.
+        check_reads(src, [key], journal.state.get("sources") or {}, f"cannot assemble {folder}")
+        return tensor
 
     write_safetensors_lazily(folder, dict(sorted(specs.items())), fetch, max_shard_size)
     config = {k: v for k, v in src.config_dict.items() if k != "quantization_config"}

@@ -2,14 +2,19 @@
 
 Layout of ``OUT.partial/`` while a run is going on::
 
-    manifest.json            what the run is: hashes of the source, calibration and settings
-    state.json               how far it got: blocks done, their report rows, the activations file
+    manifest.json            what the run is: hashes of the source, calibration and settings, and
+                             each source shard's size, time and header (pipeline/stream/fingerprint)
+    state.json               how far it got: blocks done, their report rows, the activations file,
+                             the sha256 of every block and activations file and of every source
+                             tensor read, and a checksum over all of it
     blocks/00000.safetensors the packed tensors of each finished block
     activations-00007.safetensors   the hidden states entering the next block (block 7 here)
 
 Every file is written to a temporary name and renamed, and ``state.json`` is renamed last, so a
 run killed at any moment leaves a journal whose state names only complete files: ``--resume``
-redoes at most the block that was running. When the last block is done the checkpoint is
+redoes at most the block that was running. A file damaged after it was written (a disk error, a
+stray write, a deletion) is found when ``--resume`` opens the journal, before any work, by its
+checksum (``optq.pipeline.stream.verify``). When the last block is done the checkpoint is
 assembled in ``OUT.partial/final/`` (afresh on resume), which one rename makes ``OUT``; then the
 journal is removed.
 """
@@ -33,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from optq.formats.atomic import atomic_write, move_into_place
 from optq.pipeline.distributed.ranks import Dist
 
-__all__ = ["Journal", "JournalError", "partial_path", "tensor_digest"]
+__all__ = ["Journal", "JournalError", "partial_path", "tensor_digest", "file_sha256"]
 
 log = logging.getLogger("optq.pipeline")
 
@@ -42,6 +47,7 @@ STATE = "state.json"
 BLOCKS = "blocks"
 FINAL = "final"  # the checkpoint being assembled, renamed to OUT when complete
 OFFLOAD = "activations.mmap"  # --offload-activations: the live activations, memory-mapped
+CHECKSUM = "checksum"  # state.json's field: sha256 of the rest of it, as _json writes it
 
 
 class JournalError(ValueError):
@@ -66,6 +72,34 @@ def tensor_digest(tensors: Sequence[torch.Tensor]) -> str:
 
 def _json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in chunks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sealed(state: dict[str, Any]) -> str:
+    body = {k: v for k, v in state.items() if k != CHECKSUM}
+    return _json({**body, CHECKSUM: hashlib.sha256(_json(body).encode()).hexdigest()})
+
+
+def _unsealed(text: str) -> dict[str, Any]:
+    """The state in ``text``; ValueError when its checksum is missing or wrong (a damaged file,
+    or one edited by hand: either way its word on what is finished cannot be trusted)."""
+    state = json.loads(text)
+    if not isinstance(state, dict):
+        raise ValueError("it is not a JSON object")
+    body = {k: v for k, v in state.items() if k != CHECKSUM}
+    if state.get(CHECKSUM) != hashlib.sha256(_json(body).encode()).hexdigest():
+        raise ValueError("its checksum does not match its content")
+    return body
+
+
+def fresh_state() -> dict[str, Any]:
+    """The state of a journal with no finished block."""
+    return {"done": 0, "activations": None, "activations_sha256": None, "report": None, "blocks": {}, "sources": {}}
 
 
 @contextmanager
@@ -97,7 +131,12 @@ class Journal:
         self.folder = partial_path(self.out)
         self.manifest = json.loads(_json(manifest))  # what it reads back as, for comparisons
         self.overwrite = overwrite
-        self.state: dict[str, Any] = {"done": 0, "activations": None, "report": None}
+        self.state: dict[str, Any] = fresh_state()
+        # The source shards' fingerprints the journal's blocks were computed from (a resume
+        # compares them with the folder: fingerprint.check_shards), and block files written
+        # but not committed yet, with their sha256.
+        self.shards: dict[str, Any] = self.manifest.get("shards", {})
+        self.written: dict[str, str] = {}
         # Under torch.distributed rank 0 owns the journal (blocks, state, the output); every rank
         # keeps its own share of the activations in a file of its own.
         self.dist = dist or Dist()
@@ -105,8 +144,11 @@ class Journal:
             with self.dist.failing_together():
                 if self.dist.rank == 0:
                     self._open(resume)
-            if self.dist.rank != 0 and self.folder.exists() and (self.folder / STATE).exists():
-                self._open_existing()
+            # After rank 0 (which may have reset a damaged journal); a rank whose own
+            # activations are damaged stops every rank.
+            with self.dist.failing_together():
+                if self.dist.rank != 0 and self.folder.exists() and (self.folder / STATE).exists():
+                    self._open_existing()
             return
         self._open(resume)
 
@@ -127,22 +169,50 @@ class Journal:
         with _writing(self.folder):
             (self.folder / BLOCKS).mkdir(parents=True)
             atomic_write(self.folder / MANIFEST, _json(self.manifest))
-            atomic_write(self.folder / STATE, _json(self.state))
+            atomic_write(self.folder / STATE, _sealed(self.state))
 
     def _open_existing(self) -> None:
+        from optq.pipeline.stream.verify import check_files
+
         try:
             found = json.loads((self.folder / MANIFEST).read_text(encoding="utf-8"))
-            state = json.loads((self.folder / STATE).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise JournalError(f"{self.folder} is not a readable optq journal ({exc}); use --overwrite") from None
-        differ = sorted(k for k in {*found, *self.manifest} if found.get(k) != self.manifest.get(k))
+        try:
+            state = _unsealed((self.folder / STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise JournalError(
+                f"cannot resume {self.folder}: {STATE} is missing or damaged ({exc}), so what is finished is "
+                f"unknown; rerun with --overwrite (or delete {self.folder}) to start again"
+            ) from None
+        # The shards' fingerprints hold modification times, compared by their own rule
+        # (fingerprint.check_shards), not for equality.
+        differ = sorted(k for k in {*found, *self.manifest} if k != "shards" and found.get(k) != self.manifest.get(k))
         if differ:
             raise JournalError(
                 f"cannot resume {self.folder}: the {', '.join(differ)} differ from the interrupted "
                 "run's; rerun with the same model, calibration and settings, or pass --overwrite"
             )
         self.state = state
-        log.info("resuming %s after %d finished blocks", self.folder, state["done"])
+        self.shards = found.get("shards") or {}
+        check_files(self)
+        if self.dist.rank == 0 and self.done == 0:  # nothing depends on the source yet: record it as it is
+            with _writing(self.folder):
+                (self.folder / BLOCKS).mkdir(exist_ok=True)
+                atomic_write(self.folder / MANIFEST, _json(self.manifest))
+            self.shards = self.manifest.get("shards", {})
+        log.info("resuming %s after %d finished blocks", self.folder, self.done)
+
+    def restart(self, reason: str) -> None:
+        """Forget every finished block (rank 0): the journal is damaged where only the
+        calibration's own inputs can recompute it, so the run starts again from block 0."""
+        log.warning("%s: %s; recomputing every block from the first", self.folder, reason)
+        with _writing(self.folder):
+            shutil.rmtree(self.folder / BLOCKS, ignore_errors=True)
+            for path in self.folder.glob("activations-*"):
+                path.unlink(missing_ok=True)
+            self.state = fresh_state()
+            atomic_write(self.folder / STATE, _sealed(self.state))
 
     def writing(self, what: Path) -> Any:
         """A context in which a failed write (full disk, lost permission) becomes a JournalError
@@ -158,6 +228,7 @@ class Journal:
         return self.folder / BLOCKS / f"{i:05d}.safetensors"
 
     def _save(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """Write ``path`` atomically; its sha256 goes to ``written`` for the next state."""
         tmp = path.with_name(f".{path.name}.tmp")
         with _writing(path):
             try:
@@ -165,6 +236,9 @@ class Journal:
                     {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"}
                 )
                 os.chmod(tmp, 0o644)
+                # Hashed from the file just written (in the page cache), so the checksum covers
+                # the bytes a resume will read, header included.
+                self.written[path.name] = file_sha256(tmp)
                 os.replace(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)
@@ -175,22 +249,37 @@ class Journal:
         if self.dist.rank == 0:
             self._save(self.block_file(i), tensors)
 
-    def _activations_name(self, done: int) -> str:
+    def activations_name(self, done: int) -> str:
+        """This rank's activations file entering block ``done``."""
         return f"activations-{done:05d}" + (f".rank{self.dist.rank}" if self.dist.active else "") + ".safetensors"
 
-    def commit(self, done: int, hidden: Sequence[torch.Tensor] | None, report: dict[str, Any]) -> None:
-        """Record ``done`` blocks finished, with the activations entering the next block."""
-        acts = None
+    def commit(
+        self, done: int, hidden: Sequence[torch.Tensor] | None, report: dict[str, Any], sources: dict[str, str]
+    ) -> None:
+        """Record ``done`` blocks finished, with the activations entering the next block and the
+        sha256 of every source tensor read so far (``sources``: key -> digest)."""
+        acts, sums = None, None
         # Every rank's activations are on disk before the state says so.
         with self.dist.failing_together():
             if hidden is not None:
-                acts = self._activations_name(done)
+                acts = self.activations_name(done)
                 self._save(self.folder / acts, {f"{b:06d}": h for b, h in enumerate(hidden)})
+        if hidden is not None:  # the same on every rank (only the last block has none)
+            sums = self.dist.all_gather(self.written.pop(acts, None))  # each rank checks its own on resume
         old = self.state.get("activations")
-        self.state = {"done": done, "activations": acts, "report": report}
+        blocks = {**self.state.get("blocks", {}), **self.written}  # rank 0's block files since the last commit
+        self.written = {}
+        self.state = {
+            "done": done,
+            "activations": acts,
+            "activations_sha256": sums,
+            "report": report,
+            "blocks": blocks,
+            "sources": {**self.state.get("sources", {}), **sources},
+        }
         if self.dist.rank == 0:
             with _writing(self.folder / STATE):
-                atomic_write(self.folder / STATE, _json(self.state))
+                atomic_write(self.folder / STATE, _sealed(self.state))
         self.dist.barrier()
         if old and old != acts:
             (self.folder / old).unlink(missing_ok=True)
@@ -199,10 +288,15 @@ class Journal:
         """The hidden states saved with the last commit (one tensor per batch)."""
         name = self.state.get("activations")
         if name and self.dist.active:  # the state names rank 0's file; each rank reads its own
-            name = self._activations_name(int(self.state["done"]))
+            name = self.activations_name(int(self.state["done"]))
         if not name:
             raise JournalError(f"{self.folder} holds no activations to resume from; use --overwrite")
-        loaded = load_file(str(self.folder / name))
+        try:  # checked when the journal was opened (verify.check_files); this guards a race only
+            loaded = load_file(str(self.folder / name))
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise JournalError(
+                f"cannot read {self.folder / name} ({exc}); rerun with --overwrite (or delete {self.folder})"
+            ) from None
         return [loaded[k] for k in sorted(loaded)]
 
     def offload(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -229,6 +323,21 @@ class Journal:
             out.append(view)
             start += h.numel()
         return out
+
+    @contextmanager
+    def removed_if_empty(self) -> Iterator[None]:
+        """The run inside: when it fails with an error before any block is finished, the journal
+        holds nothing worth resuming and is removed, so that the next plain run needs no
+        --overwrite. One holding finished blocks is always kept, and so is any journal after an
+        interrupt (Ctrl-C, a kill: not an Exception), which the user means to --resume. Under
+        torch.distributed rank 0, which owns the folder, alone removes it (the other ranks'
+        failures reach it as a DistributedError)."""
+        try:
+            yield
+        except Exception:
+            if self.dist.rank == 0 and self.done == 0 and self.folder.is_dir():
+                shutil.rmtree(self.folder, ignore_errors=True)
+            raise
 
     @property
     def final(self) -> Path:

@@ -13,7 +13,10 @@ output shard at the end; not the model's depth.
 
 A run killed at any moment resumes with ``resume=True`` (``--resume``) after the last finished
 block, from the activations saved with it, and ends with the same bytes as an uninterrupted run
-at the same thread count.
+at the same thread count. Before any work the resume checks every journal file against the
+sha256 written with it (``optq.pipeline.stream.verify``) and that the source still holds what the
+finished blocks were computed from (``optq.pipeline.stream.fingerprint``); a run that fails with
+an error before its first block is finished leaves no journal behind.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from optq.pipeline.blocks.prepare import Run, prepare
 from optq.pipeline.report import Report
 from optq.pipeline.settings import RunSettings
 from optq.pipeline.stream.assemble import assemble, local_folder
+from optq.pipeline.stream.fingerprint import check_reads, check_shards, shard_prints
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.sink import JournalSink, StreamedBlocks, restore
 from optq.pipeline.stream.source import SafetensorsSource, SourceError
@@ -105,8 +109,30 @@ def quantize_pretrained(
         # What changes the bytes: not where the run computes, nor where its activations live.
         "options": {k: v for k, v in options_.items() if k not in ("num_threads", "device", "offload_activations")},
         "versions": versions(),
+        # Compared on resume by fingerprint.check_shards' rule, with the content hashes the state keeps.
+        "shards": shard_prints(src.folder, (entry[0] for entry in src.index.values())),
     }
     journal = Journal(out, manifest, resume=resume, overwrite=overwrite, dist=run.dist)
+    with journal.removed_if_empty():  # a run failing before its first block leaves no journal behind
+        return _run(run, model, src, journal, options_, dtype, start, progress)
+
+
+def _run(
+    run: Run,
+    model: nn.Module,
+    src: SafetensorsSource,
+    journal: Journal,
+    options_: dict[str, Any],
+    dtype: torch.dtype,
+    start: float,
+    progress: bool,
+) -> Report:
+    """The run once its journal is open: the blocks left, then the assembly."""
+    settings, config, device = run.settings, run.config, run.device
+    if journal.done:  # resumed: the finished blocks must have been computed from this source
+        with run.dist.failing_together():
+            if run.dist.rank == 0:
+                check_shards(src, journal.shards, journal.state.get("sources") or {}, journal.folder)
     report = new_report(run, options_)
     restore(report, journal.state.get("report"))
     log.info(
@@ -159,6 +185,12 @@ def _quantize_blocks(
         hidden, calls = capture.capture_inputs(root, model, run.batches, device)
         src.release(root, skip=(f"{prefix}.",))  # the embeddings served the capture only
         if journal.done:
+            # The capture read the embeddings and block 0 again: they must be what the finished
+            # blocks were computed from, whatever the shards' fingerprints said.
+            with run.dist.failing_together():
+                check_reads(
+                    src, sorted(src.digests), journal.state.get("sources") or {}, f"cannot resume {journal.folder}"
+                )
             src.release(model[0])
             blocks.resident.clear()
             hidden.clear()  # the journal's activations replace the captured ones

@@ -77,7 +77,10 @@ class JournalSink:
         self.journal.write_block(i, self.packed)
         self.packed = {}
         last = i + 1 == len(self.run.blocks)
-        self.journal.commit(i + 1, None if last else hidden, {**snapshot(report), "natural": self.natural})
+        snap = {**snapshot(report), "natural": self.natural}
+        # The source tensors read so far, hashed as they were read: a resume or the assembly
+        # proves with them that the source still holds what these blocks were computed from.
+        self.journal.commit(i + 1, None if last else hidden, snap, dict(self.src.digests))
 
 
 def snapshot(report: Report) -> dict[str, Any]:

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -28,13 +29,21 @@ from torch import nn
 
 from optq.formats.files import INDEX, SINGLE, CheckpointError, read_index
 
-__all__ = ["SafetensorsSource", "SourceError"]
+__all__ = ["SafetensorsSource", "SourceError", "tensor_sha256"]
 
 log = logging.getLogger("optq.pipeline")
 
 
 class SourceError(ValueError):
     """A model folder that cannot be streamed (no safetensors, missing tensors, bad config)."""
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a CPU tensor's bytes (its dtype and shape are the shard header's business)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return hashlib.sha256(b"").hexdigest()
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
 
 
 def _check_folder(folder: Path) -> None:
@@ -56,7 +65,9 @@ class SafetensorsSource:
     """A Hugging Face model folder whose weights are safetensors (one file or shards + index).
 
     ``loaded`` counts how often each tensor was read (tests use it to prove that nothing is
-    read twice or before it is needed). ``names`` maps a tensor name of the model to the key the
+    read twice or before it is needed); ``digests`` holds the sha256 of each tensor's bytes as
+    last read, which a resume compares with what its journal recorded
+    (``optq.pipeline.stream.fingerprint``). ``names`` maps a tensor name of the model to the key the
     checkpoint stores it under (the identity until :meth:`use_names`); :meth:`tensor_names` and
     :meth:`load` look model tensors up through it, :meth:`read` takes checkpoint keys.
     """
@@ -75,6 +86,7 @@ class SafetensorsSource:
             raise SourceError(f"{self.folder} is already quantized ({method}); quantize the original model")
         self.index = read_index(self.folder)
         self.loaded: Counter[str] = Counter()
+        self.digests: dict[str, str] = {}
         self.names: Callable[[str], str] = _same
 
     def use_names(self, names: Callable[[str], str]) -> None:
@@ -136,6 +148,7 @@ class SafetensorsSource:
                 f"{self.folder / fname}: cannot read {name} ({exc}); the file is truncated or corrupt"
             ) from None
         self.loaded[name] += 1
+        self.digests[name] = tensor_sha256(tensor)  # the bytes are in memory now: one more pass over them
         return tensor
 
     def tensor_names(self, module: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
