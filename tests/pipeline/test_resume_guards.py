@@ -78,10 +78,13 @@ def test_resuming_another_runs_journal_is_refused_naming_what_differs(
     with pytest.raises(JournalError) as err:
         kit.stream(src, out, max_shard_size=OUT_SHARD + 1 if change.get("shard") else OUT_SHARD, resume=True, **kw)
     assert isinstance(err.value, ValueError)
-    found = re.search(r"the (.+?) differ", str(err.value))
+    found = re.search(r"the (.+?) differ from", str(err.value))
     assert found, str(err.value)
-    assert set(found.group(1).split(", ")) == differ, str(err.value)
-    assert "--overwrite" in str(err.value)
+    parts = re.sub(r" \([^()]*\)", "", found.group(1))  # "options (max_shard_size 1 then, 2 now)"
+    assert set(parts.split(", ")) == differ, str(err.value)
+    assert "pass --overwrite" in str(err.value)
+    detail = {"config": "bits 3 then, 4 now", "options": "max_shard_size"}
+    assert all(detail[p] in str(err.value) for p in differ if p in detail), str(err.value)
     # The refusal leaves the journal as it was: the original run still resumes, to the same bytes.
     partial = tmp_path / "out.partial"
     assert (partial / "manifest.json").read_bytes() == manifest and journal_state(out) == state
@@ -139,3 +142,19 @@ def test_resume_without_a_partial_folder_starts_from_the_first_block(reference, 
     kit.stream(src, tmp_path / "out", max_shard_size=OUT_SHARD, resume=True)
     assert solves[0] == SOLVES * LAYERS
     assert kit.folder_bytes(tmp_path / "out") == ref
+
+
+def test_a_refused_resume_names_the_world_size_and_the_right_flag(reference, kit, tmp_path, monkeypatch):
+    # A torchrun journal (2 ranks) resumed by one process, and --resume given with --overwrite.
+    src, _, _ = reference
+    out = tmp_path / "out"
+    _crashed_run(kit, src, out, monkeypatch)
+    path = tmp_path / "out.partial" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["options"]["world_size"] = 2
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(JournalError, match=r"world_size 2 then, 1 now.*pass --overwrite to start again"):
+        kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True)
+    with pytest.raises(JournalError, match=r"drop --resume to start again") as err:
+        kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True, overwrite=True)
+    assert "pass --overwrite" not in str(err.value)  # it was passed

@@ -189,9 +189,11 @@ class Journal:
         # (fingerprint.check_shards), not for equality.
         differ = sorted(k for k in {*found, *self.manifest} if k != "shards" and found.get(k) != self.manifest.get(k))
         if differ:
+            # --overwrite is already given with --resume: starting again needs --resume dropped.
+            again = "drop --resume to start again" if self.overwrite else "pass --overwrite to start again"
             raise JournalError(
-                f"cannot resume {self.folder}: the {', '.join(differ)} differ from the interrupted "
-                "run's; rerun with the same model, calibration and settings, or pass --overwrite"
+                f"cannot resume {self.folder}: the {_differences(found, self.manifest, differ)} differ from the "
+                f"interrupted run's; rerun with the same model, calibration and settings, or {again}"
             )
         self.state = state
         self.shards = found.get("shards") or {}
@@ -353,3 +355,18 @@ class Journal:
             shutil.rmtree(self.final, ignore_errors=True)
         shutil.rmtree(self.folder, ignore_errors=True)
         return self.out
+
+
+def _differences(found: dict[str, Any], wanted: dict[str, Any], parts: list[str]) -> str:
+    """The manifest parts that differ; for settings, which ones, then and now (e.g. the world size
+    of a torchrun journal resumed by one process)."""
+    out = []
+    for part in parts:
+        then, now = found.get(part), wanted.get(part)
+        if not (isinstance(then, dict) and isinstance(now, dict)):
+            out.append(part)
+            continue
+        keys = sorted(k for k in {*then, *now} if then.get(k) != now.get(k))
+        shown = "; ".join(f"{k} {then.get(k)!r:.40} then, {now.get(k)!r:.40} now" for k in keys[:4])
+        out.append(f"{part} ({shown}{'; ...' if len(keys) > 4 else ''})")
+    return ", ".join(out)
