@@ -30,7 +30,7 @@ with the reason, and the run reports its weights as float, by name.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -46,7 +46,6 @@ __all__ = [
     "unfuse_experts",
     "checkpoint_namer",
     "experts_layout",
-    "fused_in_source",
     "is_router",
 ]
 
@@ -334,23 +333,6 @@ def _split(module: nn.Module, layout: ExpertsLayout) -> ExpertLinears:
         if layout.transposed:
             getattr(new[k], layout.down).bias = _param(module.down_proj_bias[k])
     return new
-
-
-def fused_in_source(model: nn.Module, keys: Container[str], names: Callable[[str], str]) -> str | None:
-    """Why a source checkpoint (tensor ``keys``, model names to keys ``names``) cannot fill
-    ``model``'s ExpertLinears tensor by tensor: it stores them fused (GPT-OSS's
-    ``experts.gate_up_proj``, as ``save_pretrained`` writes it), and reading an expert's matrix
-    would need a slice of a 3-D tensor. None when each expert matrix has a key of its own."""
-    for name, module in model.named_modules():
-        if not isinstance(module, ExpertLinears) or names(f"{name}.0.{module.layout.down}.weight") in keys:
-            continue
-        fused = names(f"{name}.gate_up_proj")
-        if fused in keys:
-            return (
-                f"{fused} stores the experts fused (3-D); streaming reads one tensor per expert matrix "
-                "and cannot slice it yet: quantize this model in memory (optq.quantize, then optq.save)"
-            )
-    return None
 
 
 def _param(w: torch.Tensor) -> nn.Parameter:

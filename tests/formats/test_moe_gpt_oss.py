@@ -1,7 +1,8 @@
 """GPT-OSS's fused experts (transposed, biased, gate and up interleaved, a clamped SwiGLU) as one
 linear per expert matrix (docs/moe-checkpoints.md): the same logits, the split the checkpoint
-readers expect, at most 2% of the block matrices left float, and a streamed source that stores
-them fused refused in one line. The save/load round trip is in the parametrized MoE tests."""
+readers expect, at most 2% of the block matrices left float, and each expert's tensors cut out of
+a saved (fused) source as the split does. The save/load round trip is in the parametrized MoE
+tests; streaming a fused source end to end in tests/pipeline/test_stream_gpt_oss.py."""
 
 from __future__ import annotations
 
@@ -108,21 +109,40 @@ def test_at_most_two_percent_of_gpt_oss_block_matrices_stay_float_and_are_named(
     assert torch.isfinite(_logits(loaded)).all()
 
 
-def test_streaming_a_fused_gpt_oss_source_is_refused_in_one_line(tmp_path):
-    from optq.pipeline.stream.quantize import quantize_pretrained
-    from optq.pipeline.stream.source import SourceError
-
-    tiny_moe.build("gpt_oss").save_pretrained(tmp_path / "src")
+def test_fused_slices_cut_each_expert_out_of_the_saved_fused_tensors_as_unfuse_does(tmp_path):
+    from optq.formats.expert_slices import fused_in_source, fused_slices
+    from optq.formats.experts import checkpoint_namer
     from optq.formats.files import read_index
+    from optq.pipeline.stream.source import SafetensorsSource
 
-    keys = set(read_index(tmp_path / "src"))
-    assert {f"model.layers.0.mlp.experts.{k}" for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj")} <= keys
-    assert not [k for k in keys if re.search(r"experts\.\d+\.", k)]
-    with pytest.raises(
-        SourceError, match=r"^model\.layers\.0\.mlp\.experts\.gate_up_proj stores the experts fused"
-    ) as e:
-        quantize_pretrained(
-            tmp_path / "src", tmp_path / "out", IDS, optq.QuantConfig(bits=4, group_size=16), progress=False
-        )
-    assert "\n" not in str(e.value) and "optq.quantize" in str(e.value)
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    model = tiny_moe.build("gpt_oss")
+    model.save_pretrained(tmp_path / "src")
+    index = read_index(tmp_path / "src")
+    assert not [k for k in index if re.search(r"experts\.\d+\.", k)]  # fused on disk
+    src = SafetensorsSource(tmp_path / "src")
+    unfuse_experts(model)
+    names = checkpoint_namer(model)
+    slices = fused_slices(model, index, names)
+    want = {k: v for k, v in model.state_dict().items() if ".experts." in k}
+    assert sorted(slices) == sorted(want)  # every expert weight and bias, nothing else
+    assert fused_in_source(model, index, names) is None
+    for key, s in slices.items():
+        fused = src.read(s.key)
+        got = s.take(fused)
+        assert torch.equal(got, want[key]) and got.is_contiguous(), key
+        assert s.shape(index[s.key][1]) == tuple(want[key].shape), key
+    assert slices["model.layers.1.mlp.experts.2.up_proj.weight"].key == "model.layers.1.mlp.experts.gate_up_proj"
+    # A source with one key per expert matrix needs no slice.
+    assert fused_slices(model, set(want) | set(index), names) == {}
+
+
+def test_a_plain_layout_stored_fused_is_refused_in_one_line():
+    from optq.formats.expert_slices import fused_in_source, fused_slices
+
+    model = tiny_moe.build("mixtral")
+    unfuse_experts(model)
+    keys = {k for k in model.state_dict() if ".experts." not in k} | {"model.layers.0.mlp.experts.gate_up_proj"}
+    why = fused_in_source(model, keys, lambda n: n)  # under the model's names, for brevity
+    assert why is not None and why.startswith("model.layers.0.mlp.experts.gate_up_proj stores the experts fused")
+    assert "\n" not in why and "optq.quantize" in why
+    assert fused_slices(model, keys, lambda n: n) == {}  # only the transposed layout is sliced

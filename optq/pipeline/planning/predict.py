@@ -54,6 +54,7 @@ from torch import nn
 
 from optq.core.config import QuantConfig
 from optq.formats.checkpoint import layer_namer
+from optq.formats.expert_slices import fused_slices
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import safetensors_header, split_shards
 from optq.formats.layout import Scheme, packed_layout, quantization_config
@@ -91,7 +92,9 @@ def plan(
     tensors = _persistent(model)
     if src is not None:
         source_dtype = src.dtype
-        stored = {k: (tuple(shape), dt) for k, (_, shape, dt) in src.index.items()}
+        # A fused GPT-OSS source counts as its per-expert slices, as the run reads and writes it.
+        src.use_slices(fused_slices(model, src.index, checkpoint_namer(model)))
+        stored = src.entries()
     else:
         name = cfg.get("torch_dtype") or cfg.get("dtype")
         source_dtype = source_dtype or (getattr(torch, name) if isinstance(name, str) else torch.bfloat16)

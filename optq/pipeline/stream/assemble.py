@@ -2,9 +2,10 @@
 
 The final shards hold the packed tensors of every block (from ``OUT.partial/blocks/``) and every
 other tensor copied from the source as stored (a bf16 model's embeddings, norms and head stay
-bf16), under the source checkpoint's own names; then ``config.json`` with the
-``quantization_config`` (``optq.formats.layout``), the tokenizer and other small files, and the
-report.
+bf16), under the source checkpoint's own names; a fused GPT-OSS source's experts are cut out of
+the fused tensors and written per expert, as ``optq.save`` writes them. Then ``config.json``
+with the ``quantization_config`` (``optq.formats.layout``), the tokenizer and other small files,
+and the report.
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ def assemble(
             packed[key] = path
             specs[key] = spec
     replaced = {k.rsplit(".", 1)[0] for k in packed}  # quantized layers
-    for key, (_, shape, dtype) in src.index.items():
+    # Fused stored experts (GPT-OSS) count as their per-expert slices: the quantized ones are in
+    # the packed tensors, the others (left out with exclude) are written per expert, as stored.
+    for key, (shape, dtype) in src.entries().items():
         if key.rsplit(".", 1)[0] not in replaced:  # a quantized layer's weight is in its packed tensors
-            specs[key] = (tuple(shape), dtype)
+            specs[key] = (shape, dtype)
 
     def fetch(key: str) -> torch.Tensor:
         # Each tensor copied out of a file opened just for it: mapped pages of open files would
@@ -63,13 +66,14 @@ def assemble(
         if key in packed:
             with safe_open(str(packed[key]), framework="pt") as f:
                 return f.get_tensor(key).clone()
-        tensor = src.read(key)
+        tensor = src.tensor(key)
         # Embeddings and norms were read by the capture and the blocks: what is copied must be
         # what the run calibrated with, or the checkpoint would mix two models.
-        check_reads(src, [key], journal.state.get("sources") or {}, f"cannot assemble {folder}")
+        check_reads(src, [src.stored(key)], journal.state.get("sources") or {}, f"cannot assemble {folder}")
         return tensor
 
     write_safetensors_lazily(folder, dict(sorted(specs.items())), fetch, max_shard_size)
+    src.drop_fused()
     config = {k: v for k, v in src.config_dict.items() if k != "quantization_config"}
     config["quantization_config"] = qconfig
     write_json(folder / "config.json", config)

@@ -7,9 +7,10 @@ reads each decoder block from the safetensors shards only while it is quantized 
 is assembled shard by shard: packed tensors from the journal, every other tensor copied from
 the source as stored (a bf16 model's embeddings, norms and head stay bf16), under the source's
 own names: the packed layers too, a Mixtral expert's as ``block_sparse_moe.experts.3.w1.qweight``
-where transformers names the module ``mlp.experts.3.w1``. Peak memory: the runtime, the
-calibration activations, one block in the compute dtype and its solve, the embeddings, and one
-output shard at the end; not the model's depth.
+where transformers names the module ``mlp.experts.3.w1``. A GPT-OSS source's fused experts are
+read as slices, one expert matrix each, and written per expert (``mlp.experts.3.gate_proj``).
+Peak memory: the runtime, the calibration activations, one block in the compute dtype and its
+solve, the embeddings, and one output shard at the end; not the model's depth.
 
 A run killed at any moment resumes with ``resume=True`` (``--resume``) after the last finished
 block, from the activations saved with it, and ends with the same bytes as an uninterrupted run
@@ -34,7 +35,8 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats import compressed_tensors
 from optq.formats.checkpoint import layer_namer
-from optq.formats.experts import checkpoint_namer, fused_in_source
+from optq.formats.expert_slices import fused_in_source, fused_slices
+from optq.formats.experts import checkpoint_namer
 from optq.formats.layout import Scheme, quantization_config
 from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.loop import new_report, run_blocks, versions
@@ -93,7 +95,8 @@ def quantize_pretrained(
     model = src.skeleton(dtype)
     run = prepare(model, calibration, config, settings, tokenizer)
     src.use_names(checkpoint_namer(model))  # after prepare, which splits fused experts per expert
-    if (fused := fused_in_source(model, src.index, src.names)) is not None:  # GPT-OSS as saved: no slices yet
+    src.use_slices(fused_slices(model, src.index, src.names))  # GPT-OSS as saved: experts fused on disk
+    if (fused := fused_in_source(model, src.index, src.names)) is not None:
         raise SourceError(fused)
     options_ = {
         **run.options(),

@@ -6,6 +6,11 @@ them, cast to the compute dtype and placed on the compute device, and :meth:`rel
 back into meta tensors once the module is done. Peak memory is then one block, whatever the
 depth. Pickled ``*.bin`` weights are refused: optq never unpickles.
 
+A source that stores experts fused (GPT-OSS as ``save_pretrained`` writes it) fills each
+expert's linears from slices of the fused tensors (:meth:`SafetensorsSource.use_slices`,
+``optq.formats.expert_slices``): each fused tensor is read (and hashed) once per block, its
+slices cut out, and freed before the next fused tensor is read.
+
 Example::
 
     >>> src = SafetensorsSource("out/llama")                       # doctest: +SKIP
@@ -19,7 +24,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from optq.formats.expert_slices import FusedSlice
 from optq.formats.files import INDEX, SINGLE, CheckpointError, read_index
 
 __all__ = ["SafetensorsSource", "SourceError", "tensor_sha256"]
@@ -70,6 +76,8 @@ class SafetensorsSource:
     (``optq.pipeline.stream.fingerprint``). ``names`` maps a tensor name of the model to the key the
     checkpoint stores it under (the identity until :meth:`use_names`); :meth:`tensor_names` and
     :meth:`load` look model tensors up through it, :meth:`read` takes checkpoint keys.
+    ``slices`` (:meth:`use_slices`): checkpoint names the folder does not store, each a slice of
+    a fused stored tensor; :meth:`tensor` and :meth:`load` take those names too.
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -88,11 +96,33 @@ class SafetensorsSource:
         self.loaded: Counter[str] = Counter()
         self.digests: dict[str, str] = {}
         self.names: Callable[[str], str] = _same
+        self.slices: dict[str, FusedSlice] = {}
+        self._fused: dict[str, torch.Tensor] = {}  # fused tensors read, of one experts module
 
     def use_names(self, names: Callable[[str], str]) -> None:
         """Look model tensors up under ``names(model name)``: the checkpoint's own names, for
         models transformers renames at load time (``optq.formats.experts.checkpoint_namer``)."""
         self.names = names
+
+    def use_slices(self, slices: Mapping[str, FusedSlice]) -> None:
+        """Fill these tensors (checkpoint name -> where it lies in a fused stored tensor, see
+        ``optq.formats.expert_slices.fused_slices``) from slices of the fused tensors."""
+        self.slices = dict(slices)
+
+    def stored(self, key: str) -> str:
+        """The stored key that holds ``key``: itself, or the fused tensor it is a slice of."""
+        s = self.slices.get(key)
+        return key if s is None else s.key
+
+    def entries(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every tensor the source gives the model, by checkpoint name: the
+        stored tensors, those consumed by :attr:`slices` replaced by the slices."""
+        consumed = {s.key for s in self.slices.values()}
+        out = {k: (tuple(shape), dt) for k, (_, shape, dt) in self.index.items() if k not in consumed}
+        for key, s in self.slices.items():
+            _, shape, dt = self.index[s.key]
+            out[key] = (s.shape(shape), dt)
+        return out
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,6 +181,27 @@ class SafetensorsSource:
         self.digests[name] = tensor_sha256(tensor)  # the bytes are in memory now: one more pass over them
         return tensor
 
+    def tensor(self, key: str) -> torch.Tensor:
+        """A tensor by checkpoint name: as stored (:meth:`read`), or cut out of the fused tensor
+        it is a slice of. Fused tensors are read once and kept while the slices asked for are of
+        the same experts module (its other fused tensors kept with it), until :meth:`drop_fused`."""
+        s = self.slices.get(key)
+        if s is None:
+            return self.read(key)
+        owner = s.key.rsplit(".", 1)[0]
+        if any(k.rsplit(".", 1)[0] != owner for k in self._fused):
+            self._fused.clear()
+        if s.key not in self._fused:
+            self._fused[s.key] = self.read(s.key)
+        return s.take(self._fused[s.key])
+
+    def drop_fused(self, key: str | None = None) -> None:
+        """Free the fused tensor ``key`` kept by :meth:`tensor` (all of them by default)."""
+        if key is None:
+            self._fused.clear()
+        else:
+            self._fused.pop(key, None)
+
     def tensor_names(self, module: nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, list[str]]:
         """Checkpoint key -> the module's tensor names that hold it (tied parameters share one key).
 
@@ -174,7 +225,7 @@ class SafetensorsSource:
             if skip and all(n.startswith(skip) for n in names):
                 continue
             full = [self.names(f"{prefix}.{n}" if prefix else n) for n in names]
-            found = [f for f in full if f in self.index]
+            found = [f for f in full if f in self.index or f in self.slices]
             if not found:
                 own = f"{prefix}.{names[0]}" if prefix else names[0]
                 mine = "" if full[0] == own else f" as {own}"
@@ -196,10 +247,19 @@ class SafetensorsSource:
         """Read ``module``'s tensors (checkpoint keys ``names(prefix.<name>)``) onto ``device``.
 
         Floating-point tensors are cast to ``dtype`` (None keeps the source dtype); ``skip`` as
-        in :meth:`tensor_names`. Tied tensors are read once and stay tied.
+        in :meth:`tensor_names`. Tied tensors are read once and stay tied. Slices of one fused
+        tensor are taken one after the other, so it is read once and freed after its last slice.
         """
-        for key, names in self.tensor_names(module, prefix, skip).items():
-            value = self.read(key)
+        groups = self.tensor_names(module, prefix, skip)
+        keys = sorted(groups, key=lambda k: "" if k not in self.slices else self.slices[k].key)  # stable
+        left = Counter(self.slices[k].key for k in keys if k in self.slices)
+        for key in keys:
+            names = groups[key]
+            value = self.tensor(key)
+            if key in self.slices:
+                left[self.slices[key].key] -= 1
+                if not left[self.slices[key].key]:
+                    self.drop_fused(self.slices[key].key)
             if dtype is not None and value.is_floating_point():
                 value = value.to(dtype)
             value = value.to(device)
@@ -217,6 +277,7 @@ class SafetensorsSource:
 
     def release(self, module: nn.Module, skip: tuple[str, ...] = ()) -> None:
         """Turn ``module``'s persistent tensors back into meta tensors (frees their memory)."""
+        self.drop_fused()
         done: dict[int, Any] = {}
         for name, t in [
             *module.named_parameters(remove_duplicate=False),
