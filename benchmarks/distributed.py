@@ -7,7 +7,8 @@ bytes, which is checked). Each rank is a process of its own, started by
 ``torch.multiprocessing.spawn``; a 1-process run is not in a process group at all. Per rank,
 the block loop's time splits into ``forward`` (block forwards and Hessian accumulation, the
 rest), ``all-reduce`` (Hessian sums and token statistics), ``solve`` (this rank's share of the
-GPTQ solves) and ``broadcast`` (gathering the other ranks' solutions, and the failure checks).
+GPTQ solves) and ``broadcast`` (the other ranks' solutions, broadcast as tensors from the rank
+that solved each linear, with waiting for it, and the failure checks).
 Prints a table and writes benchmarks/results/distributed.json.
 
     python benchmarks/distributed.py [--nsamples 32] [--seqlen 512] [--hessian-cost]

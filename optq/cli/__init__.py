@@ -85,6 +85,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         types.append(ModelNotInstalledError)
     except ImportError:  # pragma: no cover - a broken install; the error is still shown
         pass
+    ranks = sys.modules.get("optq.pipeline.distributed.ranks")  # loaded if a process group ran
+    if ranks is not None:  # another rank failed, stopped answering, or was started differently
+        types.append(ranks.DistributedError)
     return tuple(types)
 
 

@@ -66,3 +66,20 @@ def test_torchrun_launches_the_cli_and_writes_what_one_process_writes(model_dir,
     assert report["distributed"]["world_size"] == 2
     assert json.loads((tmp_path / "one" / "quantization_report.json").read_text())["distributed"] is None
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_rank_that_stopped_answering_is_one_error_line_and_status_2(model_dir, monkeypatch, capsys):
+    """A DistributedError (here: a peer that stopped answering) is the run's failure, not a bug
+    in optq: ``optq: error: <one line>``, exit status 2, no traceback."""
+    import optq.pipeline.stream.quantize as stream
+    from optq.cli import main
+    from optq.pipeline.distributed.ranks import DistributedError
+
+    def stopped(*args, **kwargs):
+        raise DistributedError("rank 1 of 2 stopped answering: no heartbeat for 61 s\n(OPTQ_DIST_PEER_TIMEOUT=60 s)")
+
+    monkeypatch.setattr(stream, "quantize_pretrained", stopped)
+    status = main(quantize_args(model_dir, model_dir / "never"))
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err == "optq: error: rank 1 of 2 stopped answering: no heartbeat for 61 s (OPTQ_DIST_PEER_TIMEOUT=60 s)\n"

@@ -152,6 +152,52 @@ def test_arguments_that_differ_between_ranks_are_refused(tmp_path):
         assert text.startswith("DistributedError: the arguments") and "rank(s) [1]" in text
 
 
+def _traffic_worker(rank: int, store: str, out: str) -> None:
+    import pickle
+
+    from optq.pipeline.distributed.ranks import Dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    sent = {"objects": 0, "tensors": 0, "pickled_solutions": 0}
+    gather, broadcast = Dist.all_gather, Dist.broadcast_
+
+    def counted_gather(self, value, kind="gather"):
+        data = pickle.dumps(value)
+        sent["objects"] += len(data)
+        sent["pickled_solutions"] += data.count(b"Solution")  # the class, by name, in the stream
+        return gather(self, value, kind)
+
+    def counted_broadcast(self, tensor, src, kind="gather"):
+        sent["tensors"] += tensor.numel() * tensor.element_size()
+        return broadcast(self, tensor, src, kind)
+
+    Dist.all_gather, Dist.broadcast_ = counted_gather, counted_broadcast
+    try:
+        model, report = _run("llama", "float64")
+        weights = sum(s.weight.numel() for s in report.solutions.values())
+        Path(f"{out}/traffic{rank}.json").write_text(json.dumps({**sent, "weights": weights}))
+    except BaseException as exc:  # noqa: BLE001
+        Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_solutions_travel_as_tensors_from_their_rank_not_as_pickled_objects(tmp_path):
+    """Codes, scales, zeros, g_idx and perm are broadcast as tensors (one byte per 3-bit code);
+    what is pickled (report rows, schedules, token statistics, checks) is small beside them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_traffic_worker, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD)
+    assert not list(out.glob("error*.txt")), [e.read_text() for e in out.glob("error*.txt")]
+    for r in range(WORLD):
+        t = json.loads((out / f"traffic{r}.json").read_text())
+        # Every solution crosses once (its rank sends, the other receives): codes are one byte a
+        # weight, the rest (scales, zeros per group of 16, g_idx, perm) under two more.
+        assert t["weights"] <= t["tensors"] <= 3 * t["weights"], t
+        assert t["pickled_solutions"] == 0 and t["objects"] < t["weights"], t  # rows, not weights
+
+
 def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bool) -> None:
     import datetime
 

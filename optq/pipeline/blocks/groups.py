@@ -4,15 +4,18 @@
 stacked solve equals separate solves, with one factorisation), writes the quantized weights back
 and fills the report. ``solve_units`` does that for a stage's groups; under torch.distributed
 each rank solves the linears :mod:`optq.pipeline.distributed.ranks` assigns it, and every rank
-then takes the others' solutions, so all ranks continue with the same block.
+then takes the others' solutions (codes, scales, zeros, g_idx and perm broadcast as tensors from
+the rank that solved each linear; the weight dequantized from them, exactly), so all ranks
+continue with the same block.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,8 +38,9 @@ def solve_units(work: BlockWork, units: Sequence[SolveUnit], first: int) -> None
     With one process every unit is solved here, in order. Under torch.distributed each linear
     (its rows) is a work item, costed K³ / (members of its group) + rows x K², assigned by
     :meth:`Dist.assign`; a rank solves the members of each group it owns (on the group's H,
-    which is the same on every rank after the all-reduce), then the solutions and report rows
-    are gathered and applied everywhere, in the single-process order.
+    which is the same on every rank after the all-reduce), then the report rows are gathered, each
+    solution is broadcast from its rank as tensors, and both are applied everywhere, in the
+    single-process order.
     """
     dist, report = work.run.dist, work.report
     if not dist.active:
@@ -61,13 +65,18 @@ def solve_units(work: BlockWork, units: Sequence[SolveUnit], first: int) -> None
             if part:
                 solve_group(work, unit, first + u, part)
     dist.seconds["solve"] += time.perf_counter() - started
-    payload = {n: (report.layers.pop(n), _own(report.solutions.pop(n)), report.fallbacks.pop(n, None)) for n in mine}
-    gathered = dist.gather(payload)
+    # Report rows are small: one object gather. Solutions travel as tensors, one broadcast per
+    # linear from the rank that solved it, in the same order on every rank.
+    rows = {n: (report.layers.pop(n), report.fallbacks.pop(n, None), _header(report.solutions[n])) for n in mine}
+    gathered = dist.gather(rows)
     for unit in units:
         for name in unit.subset:
-            row, sol, fallback = gathered[name]
+            row, fallback, header = gathered[name]
+            module = work.linears[name]
+            sol = report.solutions.pop(name, None)
+            sol = _exchange(dist, owner[name], sol, header, (get_weight(module), work.run.config))
             if name not in mine:
-                set_weight(work.linears[name], sol.weight.to(get_weight(work.linears[name]).device))
+                set_weight(module, sol.weight)
             report.layers[name] = row
             report.solutions[name] = sol
             if fallback is not None:
@@ -84,19 +93,46 @@ def _after(work: BlockWork, subset: Sequence[str]) -> None:
     work.bar.set_postfix_str(text, refresh=False)
 
 
-def _own(sol: solver.Solution) -> solver.Solution:
-    # A member's weight is a view of the group's stacked solution: sent alone, not the whole.
-    return solver.Solution(
-        weight=sol.weight.detach().clone(),
-        codes=sol.codes,
-        scales=sol.scales,
-        zeros=sol.zeros,
-        g_idx=sol.g_idx,
-        perm=sol.perm,
-        loss=sol.loss,
-        damp=sol.damp,
-        config=sol.config,
-    )
+# A solution's tensors, sent as bytes; its weight is rebuilt from them (exactly: see Solution).
+_FIELDS = ("codes", "scales", "zeros", "g_idx", "perm")
+
+
+def _header(sol: solver.Solution) -> dict[str, Any]:
+    """What a receiver needs besides the bytes: each tensor's shape and dtype, the loss and damping."""
+    return {
+        "tensors": [(tuple(getattr(sol, f).shape), getattr(sol, f).dtype) for f in _FIELDS],
+        "loss": sol.loss,
+        "damp": sol.damp,
+    }
+
+
+def _exchange(
+    dist: Any, src: int, sol: solver.Solution | None, header: dict[str, Any], like: tuple[torch.Tensor, Any]
+) -> solver.Solution:
+    """Rank ``src``'s solution on every rank: codes, scales, zeros, g_idx and perm packed into one
+    uint8 tensor and broadcast; a receiver dequantizes the weight (in ``like``'s dtype and device;
+    ``like`` = (the module's weight, the run's QuantConfig))."""
+    weight, config = like
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in header["tensors"]]
+    if dist.rank == src:
+        assert sol is not None
+        parts = [getattr(sol, f).detach().contiguous().reshape(-1).view(torch.uint8) for f in _FIELDS]
+        buf = torch.cat([p.to(dist.device()) for p in parts])
+    else:
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, device=dist.device())
+    dist.broadcast_(buf, src)
+    if dist.rank == src:
+        assert sol is not None
+        return sol
+    tensors, at = [], 0
+    for (shape, dtype), n in zip(header["tensors"], sizes):
+        # clone: a chunk's offset need not be aligned for the wider dtype
+        tensors.append(buf[at : at + n].clone().view(dtype).reshape(shape).to(weight.device))
+        at += n
+    codes, scales, zeros, g_idx, perm = tensors
+    out = solver.Solution(weight, codes, scales, zeros, g_idx, perm, header["loss"], header["damp"], config)
+    out.weight = out.dequantize().to(weight.dtype)
+    return out
 
 
 def solve_group(work: BlockWork, unit: SolveUnit, index: int, members: Sequence[str] | None = None) -> None:

@@ -15,8 +15,11 @@ same block loop on its own share of the calibration samples:
   solutions and report rows are then gathered by every rank, which writes them into its copy of
   the block, so every rank continues with the same quantized block.
 - A rank that raises tells the others at the next collective, and every rank stops, naming it.
-  A rank that dies is noticed by the launcher (torchrun stops the others), or by the process
-  group's timeout (``OPTQ_DIST_TIMEOUT`` seconds, default 600).
+  A rank that dies is noticed by the launcher (torchrun stops the others) or by its closed
+  connections. A rank that stops answering (SIGSTOP, a frozen host) is named by the others
+  once its heartbeat has not moved for ``OPTQ_DIST_PEER_TIMEOUT`` seconds (default 60; see
+  :mod:`optq.pipeline.distributed.liveness`); the process group's own timeout
+  (``OPTQ_DIST_TIMEOUT``, default 600) remains the last resort.
 
 One process without a process group is exactly the single-process run: every function here is
 then a no-op.
@@ -31,11 +34,15 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from optq.pipeline.distributed.liveness import Heartbeat, peer_timeout
 
 __all__ = ["Dist", "current", "init_from_env", "DistributedError"]
 
@@ -49,9 +56,11 @@ class DistributedError(RuntimeError):
 class Dist:
     """The process group a run belongs to (``world_size`` 1: no group, every method a no-op)."""
 
-    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+    def __init__(self, world_size: int = 1, rank: int = 0, heartbeat: Heartbeat | None = None) -> None:
         self.world_size = world_size
         self.rank = rank
+        self.heartbeat = heartbeat  # None: collectives wait as long as the process group lets them
+        self.abandoned = False  # a collective was left waiting for a stopped rank
         # Seconds spent in each kind of work this process (benchmarks/distributed.py prints them).
         self.seconds: dict[str, float] = {"all_reduce": 0.0, "gather": 0.0, "check": 0.0, "solve": 0.0}
 
@@ -59,6 +68,8 @@ class Dist:
         t0 = time.perf_counter()
         try:
             return fn()
+        except DistributedError:
+            raise
         except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout
             raise DistributedError(
                 f"rank {self.rank}: a collective with the other ranks failed ({exc}); another "
@@ -70,6 +81,36 @@ class Dist:
     @property
     def active(self) -> bool:
         return self.world_size > 1
+
+    def _wait(self, work: Any) -> None:
+        """Wait for an asynchronous collective; with a heartbeat, fail naming a rank that stopped
+        answering meanwhile instead of waiting for the process group's timeout."""
+        hb = self.heartbeat
+        if hb is None:
+            work.wait()
+            return
+        gloo = _backend() == "gloo"
+        pause = 1e-4
+        while True:
+            if gloo:  # gloo's wait takes a timeout, and the work carries on after it
+                try:
+                    work.wait(datetime.timedelta(seconds=hb.poll))
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # the collective itself failed
+                        raise
+            else:  # NCCL: poll, leaving its own timeout handling alone
+                deadline = time.monotonic() + hb.poll
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.02)
+                if work.is_completed():
+                    work.wait()
+                    return
+            silent = hb.silent()
+            if silent:
+                self.abandoned = True
+                raise DistributedError(hb.message(silent))
 
     # ----------------------------------------------------------------------- calibration
     def share(self, n: int) -> tuple[int, int]:
@@ -85,20 +126,43 @@ class Dist:
         import torch.distributed as dist
 
         def reduce() -> None:
-            for t in tensors:
-                dist.all_reduce(t)
+            for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+                self._wait(work)
 
         self._timed("all_reduce", reduce)
 
+    def device(self) -> torch.device:
+        """Where this group's collectives take tensors: the current GPU under NCCL, else the CPU."""
+        if self.active and _backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def broadcast_(self, tensor: torch.Tensor, src: int, kind: str = "gather") -> None:
+        """Rank ``src``'s ``tensor`` into every rank's ``tensor`` (same shape and dtype everywhere)."""
+        if self.active:
+            import torch.distributed as dist
+
+            self._timed(kind, lambda: self._wait(dist.broadcast(tensor, src, async_op=True)))
+
     def all_gather(self, value: Any, kind: str = "gather") -> list[Any]:
-        """Every rank's ``value``, in rank order (``[value]`` without a group)."""
+        """Every rank's ``value`` (pickled), in rank order (``[value]`` without a group)."""
         if not self.active:
             return [value]
+        return self._timed(kind, lambda: self._gather_objects(value))
+
+    def _gather_objects(self, value: Any) -> list[Any]:
         import torch.distributed as dist
 
-        gathered: list[Any] = [None] * self.world_size
-        self._timed(kind, lambda: dist.all_gather_object(gathered, value))
-        return gathered
+        device = self.device()
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(sizes, torch.tensor([data.numel()], device=device), async_op=True))
+        counts = [int(n) for n in torch.cat(sizes).tolist()]
+        mine = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+        mine[: data.numel()] = data.to(device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(parts, mine, async_op=True))
+        return [pickle.loads(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, counts)]
 
     # ----------------------------------------------------------------------- solves
     def assign(self, costs: Sequence[float]) -> list[int]:
@@ -164,20 +228,32 @@ class Dist:
         if self.active:
             import torch.distributed as dist
 
-            self._timed("check", dist.barrier)
+            self._timed("check", lambda: self._wait(dist.barrier(async_op=True)))
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend()).lower()
 
 
 def current() -> Dist:
-    """The run's process group: the initialised default group, else one process."""
+    """The run's process group: the initialised default group, else one process. A group's
+    first call starts this rank's heartbeat in the group's store."""
     try:
         import torch.distributed as dist
     except ImportError:  # a torch built without distributed
         return Dist()
-    key = (1, 0)
+    key: tuple[int, int, Any] = (1, 0, None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        key = (dist.get_world_size(), dist.get_rank())
-    if _CURRENT.get("key") != key:  # one object per group, so its timers add up over a run
-        _CURRENT.update(key=key, dist=Dist(*key))
+        key = (dist.get_world_size(), dist.get_rank(), dist.distributed_c10d._get_default_store())
+    old = _CURRENT.get("key")
+    if old is None or old[:2] != key[:2] or old[2] is not key[2]:  # one object per group: its timers add up
+        if "dist" in _CURRENT and _CURRENT["dist"].heartbeat is not None:
+            _CURRENT["dist"].heartbeat.stop()
+        world, rank, store = key
+        beat = Heartbeat(store, rank, world, peer_timeout()) if store is not None else None
+        _CURRENT.update(key=key, dist=Dist(world, rank, beat))
     return _CURRENT["dist"]
 
 
@@ -209,5 +285,16 @@ def init_from_env(device: str | None = None) -> tuple[Dist, str | None]:
 def _close() -> None:
     import torch.distributed as dist
 
+    run = _CURRENT.get("dist")
+    if run is not None and run.abandoned:
+        # A collective still waits for a stopped rank in gloo's/NCCL's own thread, which the
+        # process cannot join before the process group's timeout: leave now, with the CLI's
+        # status for this error (2), the error line already printed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    if run is not None and run.heartbeat is not None:
+        run.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
