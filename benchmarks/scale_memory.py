@@ -7,8 +7,9 @@ building the skeleton, the capture of the first block's inputs, each block, the 
 end of each phase the child reads its ``VmRSS`` (resident now) and ``VmHWM`` (the highest
 resident size since the previous phase ended: the kernel's high-water mark is reset between
 phases by writing 5 to ``/proc/self/clear_refs``), so each row's peak is that phase's own. Python
-objects (``tracemalloc``: traced now and at most within the phase) are followed from the imports
-to the end of the calibration phase, then tracing stops (it would slow the block loop). The peak
+objects (``--tracemalloc``: traced now and at most within the phase) are followed from the
+imports to the end of the calibration phase, then tracing stops (it would slow the block loop);
+the traces themselves take memory, so the RSS of such a run is not the run's. The peak
 of the run is the largest phase peak, and that of any process the run starts (``RUSAGE_CHILDREN``).
 
     python benchmarks/scale_memory.py [--model smollm2-135m] [--nsamples 128] [--seqlen 512]
@@ -81,7 +82,8 @@ def _wrap(owner: object, attr: str, before: str | None, after, profile: Profile,
 def child(out_json: str, argv: list[str], stop_after: int) -> int:
     profile = Profile()
     profile.mark("python started")
-    tracemalloc.start()
+    if os.environ.get("OPTQ_TRACEMALLOC") == "1":  # inflates the RSS: its own run
+        tracemalloc.start()
     import torch  # noqa: F401
     import transformers
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
@@ -97,12 +99,12 @@ def child(out_json: str, argv: list[str], stop_after: int) -> int:
     _wrap(transformers.AutoTokenizer, "from_pretrained", None, "tokenizer loaded", profile, static=True)
     _wrap(tokens_mod, "load_text", None, "calibration text read", profile)
     _wrap(tokens_mod, "tokenize", None, "calibration text tokenised", profile)
-    for name in ("free_tokenizer", "calibration_stream"):  # the calibration phase's own steps, where present
-        if hasattr(tokens_mod, name):
-            _wrap(tokens_mod, name, None, f"{name} done", profile)
+    if hasattr(tokens_mod, "calibration_in_subprocess"):  # tokenised in a child: its peak is children_peak
+        _wrap(tokens_mod, "calibration_in_subprocess", None, "calibration tokenised (child process)", profile)
 
     def prepared(_):
-        tracemalloc.stop()
+        if tracemalloc.is_tracing():
+            tracemalloc.stop()
         return "run prepared (windows drawn, batches)"
 
     _wrap(quantize_mod, "prepare", "before prepare", prepared, profile)
@@ -155,6 +157,7 @@ def main() -> int:
     p.add_argument("--nsamples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--label", default="current")
+    p.add_argument("--tracemalloc", action="store_true", help="follow Python objects too (their traces add to the RSS)")
     p.add_argument("--blocks", type=int, default=0, help="stop after this many blocks (0: the whole run)")
     p.add_argument("--keep", type=Path, default=None, help="write the checkpoint here (kept, for byte comparisons)")
     p.add_argument("--child", nargs=2, metavar=("JSON", "ARGV"), help=argparse.SUPPRESS)
@@ -169,6 +172,7 @@ def main() -> int:
         data = Path(tmp) / "profile.json"
         cmd = [sys.executable, __file__, "--child", str(data), json.dumps(argv), "--blocks", str(args.blocks)]
         env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}  # this checkout's optq
+        env["OPTQ_TRACEMALLOC"] = "1" if args.tracemalloc else "0"
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
         result = json.loads(data.read_text())
     rows = result["rows"]

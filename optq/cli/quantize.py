@@ -233,27 +233,19 @@ def _model_folder(name: str) -> Path:
         ) from None
 
 
-def _calibration_tokens(spec: str, load_tokenizer: Any, args: argparse.Namespace) -> Any:
+def _calibration_tokens(spec: str, folder: Path, args: argparse.Namespace) -> Any:
     """One source: its token stream (the pipeline draws the windows). Several, comma-separated:
     the windows, shared equally between them (``optq.data.tokens.mixed_calibration``).
 
-    The tokenizer lives only here: it, the text and what tokenising it left on the heap (about
-    0.2 GB for SmolLM2's 2 MB of enwiki: ``benchmarks/scale_memory.py``) are freed and the heap
-    trimmed before the model work starts, so they do not add to the run's peak."""
-    from optq.data.tokens import calibration_windows, load_tokens, split_sources
-    from optq.pipeline.blocks.memory import release_host_memory
+    Tokenised in a child process (``calibration_in_subprocess``): the tokenizer, its imports and
+    the heap that tokenising the text leaves (0.3 GB for SmolLM2 on enwiki,
+    ``benchmarks/scale_memory.py``) never join the process that then holds the model's blocks."""
+    from optq.data.tokens import calibration_in_subprocess
 
-    sources = split_sources(spec)
-    tokenizer = load_tokenizer()
     try:
-        if len(sources) == 1:
-            return load_tokens(sources[0], tokenizer, "calib")
-        return calibration_windows(spec, tokenizer, args.nsamples, args.seqlen, args.seed)
+        return calibration_in_subprocess(folder, spec, args.nsamples, args.seqlen, args.seed)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CliError(f"cannot read calibration data {spec!r}: {exc}") from None
-    finally:
-        del tokenizer
-        release_host_memory()
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -322,9 +314,10 @@ def run(args: argparse.Namespace) -> int:
 
     for source in split_sources(args.calib):
         check_text_source(source)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
+    from optq.pipeline.blocks.memory import releaser
     from optq.pipeline.distributed.ranks import init_from_env
     from optq.pipeline.stream.quantize import quantize_pretrained
 
@@ -339,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     folder = _model_folder(args.model)
     _check_seqlen(args, AutoConfig.from_pretrained(str(folder)), check_seqlen, max_positions)
-    tokens = _calibration_tokens(args.calib, lambda: AutoTokenizer.from_pretrained(str(folder)), args)
+    tokens = _calibration_tokens(args.calib, folder, args)
+    releaser(args.device)  # the host heap's policy from the start, the capture included
     load_s = time.perf_counter() - t0
     report = quantize_pretrained(
         folder,
