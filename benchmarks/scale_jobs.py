@@ -51,6 +51,9 @@ def worker(job: dict) -> dict:
 
     runtime = _status("VmRSS")
     calib = _calibration(job)
+    from optq.pipeline.blocks.memory import release_host_memory
+
+    release_host_memory()  # the tokenizer and tokenising's heap, as `optq quantize` frees them
     config = optq.QuantConfig(**job.get("config", {}))
     t0 = time.perf_counter()
     if job["kind"] == "stream":

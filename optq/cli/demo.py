@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
 def run_model(args: argparse.Namespace) -> int:
     """The whole-model demo."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from optq.core.config import QuantConfig
     from optq.data import corpora, zoo
-    from optq.data import tokens as data
     from optq.eval.compare import compare, parse_variant
     from optq.formats.checkpoint import save
 
@@ -72,17 +72,10 @@ def run_model(args: argparse.Namespace) -> int:
     for name in dict.fromkeys(["enwiki", *corpus_names]):
         print(f"preparing corpus {name}...", flush=True)
         corpora.fetch_corpus(name)
-    print(f"loading {MODEL} (converted to fp32 once, then cached)...", flush=True)
-    model, tokenizer = zoo.load_model(MODEL)
-    bos = zoo.eval_bos_id(MODEL, tokenizer, model.config)
-    try:
-        calib = data.calibration_tokens(data.load_tokens("enwiki", tokenizer, "calib"), args.nsamples, args.seqlen, 0)
-        evaluation = {
-            c: data.eval_windows(data.load_tokens(c, tokenizer, "eval"), args.seqlen, args.windows, bos_id=bos)
-            for c in corpus_names
-        }
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    print(f"preparing {MODEL} (converted to fp32 once, then cached)...", flush=True)
+    folder = Path(zoo.resolve_model(MODEL))
+    hf_config = AutoConfig.from_pretrained(str(folder))
+    calib, evaluation = _token_sets(folder, hf_config, corpus_names, args)
     config = QuantConfig(bits=4, group_size=128)
     variants = [parse_variant(v, config) for v in ("fp", "rtn", "gptq")]
     print(
@@ -90,7 +83,7 @@ def run_model(args: argparse.Namespace) -> int:
         f"{args.seqlen} tokens of {', '.join(corpus_names)}; settings: {config}",
         flush=True,
     )
-    print(_estimate(model, args, len(corpus_names), len(variants), config), flush=True)
+    print(_estimate(hf_config, args, len(corpus_names), len(variants), config), flush=True)
     print(LEGEND, flush=True)
     rows: list[dict[str, Any]] = []
     out = args.output
@@ -100,11 +93,15 @@ def run_model(args: argparse.Namespace) -> int:
         rows.append(res.to_dict())
         print(table(rows, corpus_names), flush=True)
         if res.variant.method == "gptq":
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
             save(model, out, solutions=res.report.solutions, tokenizer=tokenizer, report=res.report, overwrite=True)
             saved["fp_bytes"] = sum(p.numel() * 4 for p in model.parameters())  # the fp32 model it came from
             print(f"saved the GPTQ checkpoint to {out}", flush=True)
 
-    compare(model, variants, calib, evaluation, progress=not args.no_progress, on_result=show)
+    def load() -> Any:  # each variant its own fp model, loaded when its turn comes and freed after
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    compare(load, variants, calib, evaluation, progress=not args.no_progress, on_result=show)
     result = {
         "model": MODEL,
         "calib": "enwiki",
@@ -133,6 +130,31 @@ def run_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_sets(folder: Path, hf_config: Any, corpus_names: list[str], args: argparse.Namespace) -> tuple[Any, Any]:
+    """The calibration windows and each corpus's evaluation windows; the tokenizer, the texts and
+    what tokenising them left on the heap are freed before any model is loaded."""
+    from transformers import AutoTokenizer
+
+    from optq.data import tokens as data
+    from optq.data import zoo
+    from optq.pipeline.blocks.memory import release_host_memory
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    bos = zoo.eval_bos_id(MODEL, tokenizer, hf_config)
+    try:
+        calib = data.calibration_tokens(data.load_tokens("enwiki", tokenizer, "calib"), args.nsamples, args.seqlen, 0)
+        evaluation = {
+            c: data.eval_windows(data.load_tokens(c, tokenizer, "eval"), args.seqlen, args.windows, bos_id=bos)
+            for c in corpus_names
+        }
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        del tokenizer
+        release_host_memory()
+    return calib, evaluation
+
+
 LEGEND = (
     "fp = the model as released, in floating point (no quantization); rtn = every weight rounded "
     "to nearest on the 4-bit grid; gptq = GPTQ, rounding that compensates each error with the "
@@ -141,25 +163,29 @@ LEGEND = (
 )
 
 
-def _estimate(model: Any, args: argparse.Namespace, corpora: int, variants: int, config: Any) -> str:
+def _estimate(hf_config: Any, args: argparse.Namespace, corpora: int, variants: int, config: Any) -> str:
     """A rough time estimate for this machine, from a short matmul measurement."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from optq.pipeline.planning import machine_speed, plan
 
     try:
         speed = machine_speed()
         quantize = sum(
             plan(
-                model.config,
+                hf_config,
                 nsamples=args.nsamples,
                 seqlen=args.seqlen,
                 config=config,
-                source_dtype=model.dtype,
+                source_dtype=torch.float32,
                 speed=speed,
             ).seconds.values()
         )
+        with torch.device("meta"):  # the parameter count, without a weight
+            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config).parameters())
     except Exception as exc:  # an estimate is no reason to stop the demo
         return f"(no time estimate: {exc})"
-    params = sum(p.numel() for p in model.parameters())
     evaluate = variants * corpora * args.windows * args.seqlen * 2 * params / speed["flops"]
     minutes = (quantize + evaluate) / 60
     return (

@@ -15,6 +15,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ __all__ = [
     "mixed_calibration",
     "split_sources",
     "calibration_windows",
+    "calibration_in_subprocess",
     "eval_windows",
     "FILE_SPLIT",
 ]
@@ -183,6 +188,51 @@ def calibration_windows(spec: str, tokenizer: Any, nsamples: int, seqlen: int, s
     several joined by commas, sharing ``nsamples`` equally (:func:`mixed_calibration`)."""
     streams = [load_tokens(source, tokenizer, "calib") for source in split_sources(spec)]
     return mixed_calibration(streams, nsamples, seqlen, seed)
+
+
+def calibration_in_subprocess(folder: str | Path, spec: str, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """What ``optq quantize`` calibrates on, tokenised in a child process with the tokenizer of
+    the model in ``folder``: one source's token stream (:func:`load_tokens`), or several sources'
+    windows (:func:`calibration_windows`), the same ids as in this process.
+
+    Loading a tokenizer imports a few hundred modules and keeps about 0.1 GB, and tokenising a
+    2 MB text leaves about 0.2 GB of freed heap: in a child that ends, none of it stays in the
+    process that then holds the model's blocks (``benchmarks/scale_memory.py``). A user error
+    there (an unknown corpus, too short a text) is raised here as ValueError with its message.
+    """
+    package_root = str(Path(__file__).resolve().parents[2])  # this optq, whatever the child's path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory(prefix="optq-tokens-") as tmp:
+        out = Path(tmp) / "tokens.pt"
+        code = "import sys; from optq.data.tokens import _child; sys.exit(_child(sys.argv[1:]))"
+        args = [str(folder), spec, str(nsamples), str(seqlen), str(seed), str(out)]
+        proc = subprocess.run([sys.executable, "-c", code, *args], env=env, stdout=subprocess.DEVNULL)
+        error = out.with_suffix(".error")
+        if error.exists():
+            raise ValueError(error.read_text())
+        if proc.returncode != 0:
+            raise RuntimeError(f"tokenising the calibration text failed in its process (exit {proc.returncode})")
+        tokens = torch.load(out, weights_only=True)
+    log.info("%s (calib): %s tokens", spec, f"{tokens.numel():,}")
+    return tokens
+
+
+def _child(argv: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    folder, spec, nsamples, seqlen, seed, out = argv
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        sources = split_sources(spec)
+        if len(sources) == 1:
+            tokens = load_tokens(sources[0], tokenizer, "calib")
+        else:
+            tokens = calibration_windows(spec, tokenizer, int(nsamples), int(seqlen), int(seed))
+    except (OSError, ValueError, RuntimeError) as exc:
+        Path(out).with_suffix(".error").write_text(str(exc))
+        return 2
+    torch.save(tokens, out)
+    return 0
 
 
 def eval_windows(

@@ -140,7 +140,7 @@ class VariantResult:
 
 
 def compare(
-    base_model: nn.Module,
+    base_model: nn.Module | Callable[[], nn.Module],
     variants: Sequence[Variant],
     calibration: torch.Tensor,
     evaluation: Mapping[str, torch.Tensor],
@@ -153,7 +153,9 @@ def compare(
     """Quantize a fresh copy of ``base_model`` per variant and evaluate each on ``evaluation``.
 
     Args:
-        base_model: the fp model (left untouched; each variant works on a deep copy).
+        base_model: the fp model (left untouched; each variant works on a deep copy), or a
+            function returning a fresh fp model (such as a load from disk), called once per
+            variant: then one model is in memory at a time, each freed before the next is made.
         calibration: LongTensor [n, seqlen] of calibration windows shared by all variants.
         evaluation: corpus name -> LongTensor [windows, seqlen] of evaluation windows (BOS
             already placed where the model needs it).
@@ -163,10 +165,12 @@ def compare(
     from optq.pipeline.blocks.loop import (
         quantize,  # the pipeline pulls in transformers-aware code
     )
+    from optq.pipeline.blocks.memory import release_host_memory
 
     results = []
     for v in variants:
-        model = copy.deepcopy(base_model)
+        model = base_model() if callable(base_model) and not isinstance(base_model, nn.Module) else None
+        model = copy.deepcopy(base_model) if model is None else model
         res = VariantResult(variant=v)
         if v.method == "rtn":
             # Round-to-nearest needs no calibration: round each block linear directly.
@@ -199,4 +203,5 @@ def compare(
         if on_result is not None:
             on_result(res, model)
         del model
+        release_host_memory()  # the variant's model and its forwards' freed pages, before the next
     return results

@@ -114,12 +114,7 @@ def perplexity_detail(
         starts = range(0, n_windows, batch_size)
         for start in tqdm(starts, disable=not progress, desc="perplexity", unit="batch"):
             batch = batches[start : start + batch_size].to(device)
-            logits = _logits(model(input_ids=batch, use_cache=False))
-            # Position t predicts token t+1: drop the last logit row and the first label.
-            nll = F.cross_entropy(
-                logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-            )
-            value = float(nll)
+            value = float(_batch_nll(model, batch))
             if not math.isfinite(value):
                 # A NaN/Inf logit poisons the mean: stop at the first such batch.
                 raise NonFiniteLogitsError(
@@ -139,6 +134,57 @@ def perplexity_detail(
     return PerplexityResult(
         perplexity=ppl, nll_sum=nll_sum, tokens=count, windows=n_windows, seqlen=length, bos_id=bos_id
     )
+
+
+# Models whose causal-LM forward ends in ``logits = head(hidden)`` and nothing else (no soft-capping,
+# no logit scale): their logits can be computed a slice of rows at a time.
+_PLAIN_HEADS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+_HEAD_ROWS = 512  # logit rows at a time: 512 x vocab x 4 bytes (0.1 GB for a 49k vocabulary), twice
+
+
+def _batch_nll(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The summed NLL of a batch of windows (position t predicts token t+1).
+
+    ``F.cross_entropy(logits, labels, reduction="sum")`` is ``log_softmax`` per row, then
+    ``nll_loss``'s sum over the rows. For a plain head (``_PLAIN_HEADS``) the logits are never
+    held whole (8 windows of 512 tokens of a 49k vocabulary are 0.8 GB, and the loss made two
+    more such tensors): the model runs with its head swapped for the identity, then the head, the
+    ``log_softmax`` and the pick of each label run ``_HEAD_ROWS`` rows at a time, and
+    ``nll_loss`` sums the picked values in the same order: the same bits as the whole-batch loss
+    (tests/eval/test_perplexity_rows.py)."""
+    labels = batch[:, 1:].reshape(-1)
+    head_name = _plain_head(model)
+    if head_name is None:
+        logits = _logits(model(input_ids=batch, use_cache=False))
+        return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), labels, reduction="sum")
+    parent_name, _, attr = head_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    head = getattr(parent, attr)
+    setattr(parent, attr, torch.nn.Identity())
+    try:
+        hidden = _logits(model(input_ids=batch, use_cache=False))
+    finally:
+        setattr(parent, attr, head)
+    rows = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
+    del hidden
+    picked = torch.cat(
+        [
+            F.log_softmax(head(rows[s : s + _HEAD_ROWS]).float(), 1).gather(1, labels[s : s + _HEAD_ROWS, None])
+            for s in range(0, rows.shape[0], _HEAD_ROWS)
+        ]
+    )
+    return F.nll_loss(picked, torch.zeros_like(labels), reduction="sum")
+
+
+def _plain_head(model: torch.nn.Module) -> str | None:
+    """The name of the output head of a model in ``_PLAIN_HEADS``, or None (then logits are whole)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _PLAIN_HEADS or getattr(config, "final_logit_softcapping", None):
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    return next((n for n, m in model.named_modules() if m is head and n), None)
 
 
 def _windows(start: int, batch: torch.Tensor, total: int) -> str:
