@@ -203,7 +203,7 @@ def calibration_in_subprocess(folder: str | Path, spec: str, nsamples: int, seql
     package_root = str(Path(__file__).resolve().parents[2])  # this optq, whatever the child's path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory(prefix="optq-tokens-") as tmp:
-        out = Path(tmp) / "tokens.pt"
+        out = Path(tmp) / "tokens.safetensors"
         code = "import sys; from optq.data.tokens import _child; sys.exit(_child(sys.argv[1:]))"
         args = [str(folder), spec, str(nsamples), str(seqlen), str(seed), str(out)]
         proc = subprocess.run([sys.executable, "-c", code, *args], env=env, stdout=subprocess.DEVNULL)
@@ -212,7 +212,9 @@ def calibration_in_subprocess(folder: str | Path, spec: str, nsamples: int, seql
             raise ValueError(error.read_text())
         if proc.returncode != 0:
             raise RuntimeError(f"tokenising the calibration text failed in its process (exit {proc.returncode})")
-        tokens = torch.load(out, weights_only=True)
+        from safetensors.torch import load_file
+
+        tokens = load_file(str(out))["tokens"]
     log.info("%s (calib): %s tokens", spec, f"{tokens.numel():,}")
     return tokens
 
@@ -231,7 +233,9 @@ def _child(argv: list[str]) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         Path(out).with_suffix(".error").write_text(str(exc))
         return 2
-    torch.save(tokens, out)
+    from safetensors.torch import save_file  # optq never unpickles, not even its own files
+
+    save_file({"tokens": tokens.contiguous()}, out)
     return 0
 
 
