@@ -29,9 +29,7 @@ def _tokenize(texts: str | Sequence[str], tokenizer: Any) -> torch.Tensor:
         raise ValueError("calibration is text: pass tokenizer= (or give token ids instead)")
     text = texts if isinstance(texts, str) else "\n\n".join(texts)
     try:
-        from optq.data.tokens import (
-            tokenize,  # the data module's protocol (no special tokens)
-        )
+        from optq.data.tokens import tokenize  # the data module's protocol (no special tokens)
     except ImportError:
         return torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long).reshape(-1)
     return tokenize(text, tokenizer)
