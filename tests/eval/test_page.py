@@ -283,7 +283,7 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     quantize = sum(parts.values())
     # 3 variants x 2 corpora x 3 windows x 16 tokens, 2 FLOPs per parameter per token.
     evaluate = 3 * 2 * 3 * 16 * 2 * sum(p.numel() for p in model.parameters()) / speed["flops"]
-    line = demo._estimate(model, args, corpora=2, variants=3, config=config)
+    line = demo._estimate(model.config, args, corpora=2, variants=3, config=config)
     match = re.match(r"estimated time on this machine: about (\d+) min ", line)
     assert match, line
     minutes = int(match[1])
