@@ -41,17 +41,22 @@ def count_solves(monkeypatch) -> list[int]:
     return calls
 
 
-def after_write_block_1(mp, partial):
-    """A crash point (see test_resume.CRASHES): Kill once block 1's file is written, before the
-    commit; returns the blocks the journal then says are done."""
+def after_write_block(mp, block: int) -> None:
+    """Kill once ``block``'s packed file is written, before its commit (``mp``: a monkeypatch)."""
     orig = Journal.write_block
 
     def write_block(self, i, tensors):
         orig(self, i, tensors)
-        if i == 1:
+        if i == block:
             raise Kill
 
     mp.setattr(Journal, "write_block", write_block)
+
+
+def after_write_block_1(mp, partial):
+    """A crash point (see test_resume.CRASHES): Kill once block 1's file is written, before the
+    commit; returns the blocks the journal then says are done."""
+    after_write_block(mp, 1)
     return 1
 
 

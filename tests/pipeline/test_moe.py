@@ -178,24 +178,14 @@ def test_quantized_moe_saves_under_source_names_and_loads_to_the_same_logits(arc
 
 # --------------------------------------------------------------------------- streaming
 def test_streamed_mixtral_killed_after_block_0_resumes_to_the_same_bytes(kit, tmp_path, monkeypatch):
-    from optq.pipeline.stream.journal import Journal
-
-    class Kill(BaseException):
-        pass
+    from pipeline.resume_helpers import Kill, after_write_block
 
     model = build("mixtral")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "src", max_shard_size=20_000)
     ref = kit.stream(tmp_path / "src", tmp_path / "ref")
     assert ref.moe and all(row.hessian for n, row in ref.layers.items() if ".experts." in n)
-    orig = Journal.write_block
-
-    def write_block(self, i, tensors):
-        orig(self, i, tensors)
-        if i == 0:
-            raise Kill
-
     with monkeypatch.context() as mp:
-        mp.setattr(Journal, "write_block", write_block)
+        after_write_block(mp, 0)
         with pytest.raises(Kill):
             kit.stream(tmp_path / "src", tmp_path / "out")
     resumed = kit.stream(tmp_path / "src", tmp_path / "out", resume=True)

@@ -118,22 +118,12 @@ def test_the_journal_hashes_each_fused_tensor_once_as_read(kit, tmp_path, monkey
 
 
 def test_streamed_gpt_oss_killed_after_block_0_resumes_to_the_same_bytes(kit, tmp_path, monkeypatch):
-    from optq.pipeline.stream.journal import Journal
-
-    class Kill(BaseException):
-        pass
+    from pipeline.resume_helpers import Kill, after_write_block
 
     src = _save(tmp_path / "src", torch.bfloat16, kit.SHARD)
     ref = kit.stream(src, tmp_path / "ref")
-    orig = Journal.write_block
-
-    def write_block(self, i, tensors):
-        orig(self, i, tensors)
-        if i == 0:
-            raise Kill
-
     with monkeypatch.context() as mp:
-        mp.setattr(Journal, "write_block", write_block)
+        after_write_block(mp, 0)
         with pytest.raises(Kill):
             kit.stream(src, tmp_path / "out")
     resumed = kit.stream(src, tmp_path / "out", resume=True)
