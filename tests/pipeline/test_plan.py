@@ -173,8 +173,21 @@ def test_plan_reads_no_tensor_data(folder, monkeypatch):
 
 
 def test_time_estimate_scales_with_speed(folder):
-    slow = plan(folder, nsamples=6, seqlen=16, config=CFG, speed={"flops": 1e9, "solve_unit": 1e-9})
-    fast = plan(folder, nsamples=6, seqlen=16, config=CFG, speed={"flops": 1e10, "solve_unit": 1e-10})
-    for k in ("forwards", "hessians", "solves"):
-        assert slow.seconds[k] == pytest.approx(10 * fast.seconds[k])
+    cfg = json.loads((folder / "config.json").read_text())
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    n, seqlen = 6, 16
+    T = n * seqlen
+    # The work, from the config by hand: each linear's matmul (2 T N K), attention (4 T L h), two
+    # passes per block (replay); one Hessian (2 T K²) per group of a parent module and input width
+    # (self_attn: q, k, v, o on h; mlp: gate, up on h; down on i); a solve of K³ + R K² per group.
+    linear = 2 * T * (h * h + 2 * kv * h + h * h + 2 * i * h + h * i)
+    forwards = 2 * layers * (linear + 4 * T * seqlen * h)
+    hessians = layers * 2 * T * (h * h + h * h + i * i)
+    solves = layers * ((h**3 + (2 * h + 2 * kv) * h * h) + (h**3 + 2 * i * h * h) + (i**3 + h * i * i))
+    for flops, unit in ((1e9, 1e-9), (1e10, 1e-10)):
+        p = plan(folder, nsamples=n, seqlen=seqlen, config=CFG, speed={"flops": flops, "solve_unit": unit})
+        assert p.seconds["forwards"] == pytest.approx(forwards / flops, rel=1e-12)
+        assert p.seconds["hessians"] == pytest.approx(hessians / flops, rel=1e-12)
+        assert p.seconds["solves"] == pytest.approx(solves * unit, rel=1e-12)
     assert plan_mod.machine_speed()["flops"] > 0
