@@ -35,8 +35,7 @@ from optq.formats.atomic import atomic_folder
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
 from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
-from optq.formats.layout import Scheme, quantization_config
-from optq.formats.packing import FORMATS
+from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, quantization_config
 from optq.formats.qlinear import QuantLinear
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["save", "load", "CheckpointError", "quantized_layers", "layer_namer"]
 
 log = logging.getLogger("optq.checkpoint")
-SAVE_FORMATS = (*FORMATS, "compressed-tensors")
+SAVE_FORMATS = CHECKPOINT_FORMATS
 REPORT_FILE = "quantization_report.json"
 
 

@@ -18,12 +18,12 @@ import torch
 from optq.core.config import QuantConfig
 from optq.formats import compressed_tensors
 from optq.formats.gptq_config import CheckpointError, describe_gptq, is_natural
-from optq.formats.packing import packed_length
+from optq.formats.packing import FORMATS, packed_length
 from optq.formats.qlinear import QuantLinear
 
 __all__ = ["Scheme", "quantization_config", "packed_layout", "storage_format", "CHECKPOINT_FORMATS"]
 
-CHECKPOINT_FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
+CHECKPOINT_FORMATS = (*FORMATS, "compressed-tensors")  # what optq writes: GPTQ's two, and pack-quantized
 
 
 def storage_format(fmt: str) -> str:

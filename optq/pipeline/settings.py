@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from optq.formats.files import parse_size
+from optq.formats.layout import CHECKPOINT_FORMATS
 
 __all__ = [
     "RunSettings",
@@ -38,6 +39,7 @@ __all__ = [
     "COMPUTE_DTYPES",
     "HESSIAN_DTYPES",
     "default_hessian_budget",
+    "dtype_name",
 ]
 
 METHODS = ("gptq", "rtn")
@@ -45,7 +47,7 @@ PROPAGATE = ("quantized", "original")
 STRATEGIES = ("pause", "replay")
 MOE_CALIBRATION = ("routed", "all")
 MOE_WEIGHTING = ("none", "routing")
-FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
+FORMATS = CHECKPOINT_FORMATS
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 HESSIAN_DTYPES = ("float32", "float64")
 
@@ -56,6 +58,11 @@ def default_hessian_budget() -> int:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 4
     except (ValueError, OSError, AttributeError):
         return 4 << 30
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: a dtype as the settings and the report write it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _patterns(value: Sequence[str] | str | None, what: str) -> tuple[str, ...] | None:
@@ -167,7 +174,7 @@ class RunSettings:
                 raise ValueError(f"device={str(device)!r} asked, but this torch has no usable CUDA; use 'cpu'")
             put("device", str(device))
         if isinstance(self.compute_dtype, torch.dtype):
-            put("compute_dtype", str(self.compute_dtype).removeprefix("torch."))
+            put("compute_dtype", dtype_name(self.compute_dtype))
         if self.compute_dtype is not None:
             _choice("compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _choice("hessian_dtype", self.hessian_dtype, HESSIAN_DTYPES)

@@ -76,10 +76,9 @@ def _outline(page: str) -> _Outline:
     return p
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> tuple[Path, dict, int]:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+def _llama_config():
+    """The tiny Llama the page's checkpoint and the demo's estimate are built from."""
+    return transformers.LlamaConfig(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -88,6 +87,12 @@ def checkpoint(tmp_path_factory) -> tuple[Path, dict, int]:
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, dict, int]:
+    torch.manual_seed(0)
+    cfg = _llama_config()
     model = transformers.LlamaForCausalLM(cfg).eval()
     fp_bytes = sum(p.numel() * 4 for p in model.parameters())
     g = torch.Generator().manual_seed(1)
@@ -259,15 +264,7 @@ def test_demo_time_estimate_adds_quantize_and_evaluation(monkeypatch):
     from optq.cli import demo
     from optq.pipeline import planning as plan
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    cfg = _llama_config()
     model = transformers.LlamaForCausalLM(cfg)
     # A machine of 1 FLOP/s and 1 s per solve unit: both terms run to hundreds of thousands of
     # minutes, so the whole minutes the line prints resolve each term to 1e-5 of itself (at the

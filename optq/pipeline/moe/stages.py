@@ -12,7 +12,6 @@ Hessian comes from (``moe_calibration``, starved experts) is described in
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,8 +22,6 @@ from optq.formats.experts import ExpertLinears
 from optq.pipeline.blocks import capture
 
 __all__ = ["Stage", "plan_stages", "expert_parts", "siblings", "hessian_bytes"]
-
-log = logging.getLogger("optq.pipeline")
 
 _EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>.+)$")
 

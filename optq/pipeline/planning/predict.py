@@ -63,7 +63,7 @@ from optq.pipeline.blocks.calibration import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
 from optq.pipeline.moe.stages import expert_parts, hessian_bytes, siblings
 from optq.pipeline.planning.runplan import RUNTIME_BYTES, RunPlan, machine_speed
-from optq.pipeline.settings import RunSettings
+from optq.pipeline.settings import RunSettings, dtype_name
 
 __all__ = ["plan"]
 
@@ -197,9 +197,9 @@ def plan(
         "strategy": s.strategy,
         "propagate": s.propagate,
         "format": s.format,
-        "compute_dtype": _name(compute_dtype),
+        "compute_dtype": dtype_name(compute_dtype),
         "max_shard_size": str(s.max_shard_size),
-        "source_dtype": _name(source_dtype),
+        "source_dtype": dtype_name(source_dtype),
         "hessian_dtype": s.hessian_dtype,
         "hidden": h,
         "intermediate": inter,
@@ -323,10 +323,6 @@ def _small_files(cfg: dict[str, Any], qconfig: dict[str, Any], n_blocks: int, ta
 def _nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
     shape, dtype = spec
     return int(torch.Size(shape).numel()) * dtype.itemsize
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _skeleton(source: Any) -> tuple[nn.Module, dict[str, Any], Any]:

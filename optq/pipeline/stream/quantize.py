@@ -42,7 +42,7 @@ from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.loop import new_report, run_blocks, versions
 from optq.pipeline.blocks.prepare import Run, prepare
 from optq.pipeline.report import Report
-from optq.pipeline.settings import RunSettings
+from optq.pipeline.settings import FORMATS, RunSettings, dtype_name
 from optq.pipeline.stream.assemble import assemble, local_folder
 from optq.pipeline.stream.fingerprint import check_reads, check_shards, shard_prints
 from optq.pipeline.stream.journal import Journal
@@ -52,7 +52,7 @@ from optq.pipeline.stream.source import SafetensorsSource, SourceError
 __all__ = ["quantize_pretrained", "local_folder", "STREAM_FORMATS"]
 
 log = logging.getLogger("optq.pipeline")
-STREAM_FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
+STREAM_FORMATS = FORMATS  # every format optq writes streams
 
 
 def quantize_pretrained(
@@ -100,8 +100,8 @@ def quantize_pretrained(
         raise SourceError(fused)
     options_ = {
         **run.options(),
-        "compute_dtype": _name(dtype),
-        "source_dtype": _name(src.dtype),
+        "compute_dtype": dtype_name(dtype),
+        "source_dtype": dtype_name(src.dtype),
         "streaming": True,
         **(provenance or {}),
     }
@@ -211,10 +211,6 @@ def _quantize_blocks(
         )
         del hidden, calls
         src.release(root)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _source_digest(src: SafetensorsSource) -> str:
