@@ -61,7 +61,8 @@ def test_an_error_after_a_finished_block_keeps_the_journal_and_resumes(reference
     broken = Path(shutil.copytree(src, tmp_path / "src"))
     _nan_in(1)(broken)
     out = tmp_path / "out"
-    with pytest.raises(ValueError):
+    # Found as block 1 is read from the shards, before any of its weights changes.
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight has NaN/Inf values"):
         kit.stream(broken, out, max_shard_size=OUT_SHARD)
     assert journal_state(out)["done"] == 1
     shutil.rmtree(broken)

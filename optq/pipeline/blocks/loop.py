@@ -56,7 +56,8 @@ class BlockSource(Protocol):
     safetensors shards (``optq.pipeline.stream.source``), later a remote store."""
 
     def load(self, i: int, block: nn.Module) -> None:
-        """Make block ``i``'s weights ready on the run's compute device."""
+        """Make block ``i``'s weights ready on the run's compute device (a source that reads them
+        only now checks them with ``check_finite_weights`` here, before any weight changes)."""
 
     def release(self, i: int, block: nn.Module) -> None:
         """Block ``i`` is done: move it back, or free its weights."""
@@ -180,10 +181,8 @@ def run_blocks(
             t0 = time.perf_counter()
             block = run.blocks[i]
             source.load(i, block)
-            name = run.block_name(i)
-            check_finite_weights({n: m for n, m in find_linears(block, name).items() if n in run.targets})
             try:
-                quantize_block(run, name, block, (hidden, calls[i]), report, bar)
+                quantize_block(run, run.block_name(i), block, (hidden, calls[i]), report, bar)
             except BaseException:
                 # A block is written back whole or not at all: a failure in its fifth layer
                 # leaves none of its layers quantized.

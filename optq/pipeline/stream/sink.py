@@ -20,7 +20,7 @@ from optq.formats.gptq_config import is_natural
 from optq.formats.layout import storage_format
 from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear
-from optq.pipeline.blocks.prepare import Run
+from optq.pipeline.blocks.prepare import Run, check_finite_weights
 from optq.pipeline.report import LayerReport, Report
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.source import SafetensorsSource
@@ -37,9 +37,12 @@ class StreamedBlocks:
         self.resident: set[int] = set()
 
     def load(self, i: int, block: nn.Module) -> None:
+        name = self.run.block_name(i)
         if i not in self.resident:
-            self.src.load(block, self.run.block_name(i), self.run.device, self.dtype)
+            self.src.load(block, name, self.run.device, self.dtype)
         self.resident.discard(i)
+        # Read only now (optq.quantize checks a model in memory whole, before the first block).
+        check_finite_weights({n: m for n, m in find_linears(block, name).items() if n in self.run.targets})
 
     def release(self, i: int, block: nn.Module) -> None:
         self.src.release(block)
