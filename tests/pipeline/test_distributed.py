@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipeline.spawned import leave
 
 import optq
 
@@ -69,7 +70,7 @@ def _worker(rank: int, store: str, out: str, arch: str, hessian_dtype: str, fail
     except BaseException as exc:  # noqa: BLE001 - recorded for the test to read
         Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def _spawn(tmp_path: Path, arch: str, hessian_dtype: str = "float32", fail: bool = False) -> Path:
@@ -140,7 +141,7 @@ def _mismatch_worker(rank: int, store: str, out: str) -> None:
     except BaseException as exc:  # noqa: BLE001
         Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def test_arguments_that_differ_between_ranks_are_refused(tmp_path):
@@ -180,7 +181,7 @@ def _traffic_worker(rank: int, store: str, out: str) -> None:
     except BaseException as exc:  # noqa: BLE001
         Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def test_solutions_travel_as_tensors_from_their_rank_not_as_pickled_objects(tmp_path):
@@ -232,8 +233,7 @@ def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bo
     except BaseException as exc:  # noqa: BLE001
         Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave()
 
 
 def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipeline.spawned import leave
 
 import optq
 
@@ -46,7 +47,7 @@ def _stop_worker(rank: int, store: str, out: str) -> None:
         Path(f"{out}/error{rank}.tmp").write_text(f"{type(exc).__name__}: {exc}")
         Path(f"{out}/error{rank}.tmp").rename(f"{out}/error{rank}.txt")
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def test_a_stopped_rank_is_named_within_the_peer_timeout_and_a_busy_one_is_not(tmp_path):

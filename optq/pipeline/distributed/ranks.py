@@ -44,7 +44,7 @@ import torch
 
 from optq.pipeline.distributed.liveness import Heartbeat, peer_timeout
 
-__all__ = ["Dist", "current", "init_from_env", "DistributedError"]
+__all__ = ["Dist", "current", "init_from_env", "close", "DistributedError"]
 
 log = logging.getLogger("optq.pipeline")
 
@@ -283,8 +283,6 @@ def init_from_env(device: str | None = None) -> tuple[Dist, str | None]:
 
 
 def _close() -> None:
-    import torch.distributed as dist
-
     run = _CURRENT.get("dist")
     if run is not None and run.abandoned:
         # A collective still waits for a stopped rank in gloo's/NCCL's own thread, which the
@@ -294,7 +292,19 @@ def _close() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
+    close()
+
+
+def close() -> None:
+    """End this rank's part in the process group: stop its heartbeat (joined, so that no thread
+    of ours is inside the store afterwards), then destroy the group while the interpreter is
+    fully alive. The CLI does this at exit; a script that calls ``optq.quantize`` under its own
+    process group should call it instead of ``dist.destroy_process_group()``."""
+    import torch.distributed as dist
+
+    run = _CURRENT.pop("dist", None)
+    _CURRENT.pop("key", None)
     if run is not None and run.heartbeat is not None:
         run.heartbeat.stop()
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
