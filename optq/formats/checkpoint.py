@@ -35,8 +35,9 @@ from optq.formats.atomic import atomic_folder
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
 from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
-from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, quantization_config
+from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, packed_layout, quantization_config
 from optq.formats.qlinear import QuantLinear
+from optq.formats.schemes import LayerSetting, layer_schemes
 
 if TYPE_CHECKING:
     from optq.core.solver import Solution
@@ -131,11 +132,15 @@ def save(
     unfuse_experts(model)
     names = checkpoint_namer(model)
     layers = quantized_layers(model, solutions, format)
-    scheme = Scheme.of_layers(layers)
+    module_name = layer_namer(names)
+    scheme = Scheme.of_layers({module_name(n): q for n, q in layers.items()})  # settings by checkpoint name
     if format == "compressed-tensors":
-        qconfig = quantization_config(scheme, format, checkpoint_ct.ignored(model, layers, layer_namer(names)))
+        qconfig = quantization_config(scheme, format, checkpoint_ct.ignored(model, layers, module_name))
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        tensors = {n: checkpoint_ct.export_layer(n, q, sym=scheme.sym, dtype=dtype) for n, q in layers.items()}
+        tensors = {
+            n: checkpoint_ct.export_layer(n, q, sym=scheme.for_layer(module_name(n)).sym, dtype=dtype)
+            for n, q in layers.items()
+        }
     else:
         qconfig = quantization_config(scheme, format)
         tensors = {n: q.state_dict() for n, q in layers.items()}
@@ -193,16 +198,15 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     method = qc.get("quant_method", "gptq")
     index = read_index(folder)
     if method == "compressed-tensors":
-        bits, group_size, fmt, index, convert = checkpoint_ct.plan_load(qc, index)
-        marker = ".weight_packed"
+        fmt, marker = "gptq_v2", ".weight_packed"  # QuantLinear holds pack-quantized layers as gptq_v2
     elif method == "gptq":
-        bits, group_size, fmt = check_gptq_config(qc)
-        convert, marker = None, ".qweight"
+        fmt, marker = check_gptq_config(qc)[2], ".qweight"
     else:
         raise CheckpointError(f"quant_method={method!r} is not supported; optq reads 'gptq' and 'compressed-tensors'")
     names = sorted(k[: -len(marker)] for k in index if k.endswith(marker))
     if not names:
         raise CheckpointError(f"{folder} declares {method} quantization but holds no {marker[1:]} tensor")
+    settings = layer_schemes(qc, names)
 
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) stay real
@@ -221,12 +225,15 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
         if not is_linear(module):
             raise CheckpointError(f"tensor {name}{marker} names a {type(module).__name__}, not a linear layer")
         n_out, n_in = get_weight(module).shape
-        layer = QuantLinear(n_in, n_out, bits, group_size, f"{name}.bias" in index, fmt, device="meta")
+        s = settings[name]
+        layer = QuantLinear(n_in, n_out, s.bits, s.group_size, f"{name}.bias" in index, fmt, device="meta")
         parent, _, child = mname.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         quantized[mname] = name
 
     own = model.state_dict(keep_vars=True)
+    if method == "compressed-tensors":  # the packed tensors stand in for the QuantLinear buffers
+        own = _pack_quantized_keys(own, quantized, settings, index)
     keys = _checkpoint_keys(own, tensor_name, quantized)  # model key -> checkpoint key
     expected = {keys[k]: t for k, t in own.items()}
     model_key = {v: k for k, v in keys.items()}
@@ -234,8 +241,9 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     missing = [k for k in expected if k not in index and k not in tied]
     unexpected = [k for k in index if k not in expected]
     if missing or unexpected:
+        widths = sorted({s.bits for s in settings.values()})
         raise CheckpointError(
-            f"{folder} does not match {type(model).__name__} quantized at {bits} bits: "
+            f"{folder} does not match {type(model).__name__} quantized at {'/'.join(map(str, widths))} bits: "
             f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
@@ -254,8 +262,11 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
         _check_values(folder / index[key][0], key, tensor, key.startswith(quant_prefixes), expected)
         want = expected[key]
         state[model_key[key]] = tensor.to(want.dtype) if tensor.dtype != want.dtype else tensor
-    if convert is not None:
-        state = convert(state, list(quantized))  # both under the model's names
+    if method == "compressed-tensors":
+        for mname, name in quantized.items():
+            packed = {k[len(mname) + 1 :]: state.pop(k) for k in list(state) if k.startswith(f"{mname}.")}
+            layer = checkpoint_ct.import_layer(packed, settings[name], name=name)
+            state.update({f"{mname}.{k}": t for k, t in layer.items()})
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(hf_config, "tie_word_embeddings", False) and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
@@ -309,6 +320,30 @@ def _checkpoint_keys(
     if len(set(out.values())) != len(out):
         clash = sorted(k for k in out if list(out.values()).count(out[k]) > 1)
         raise CheckpointError(f"tensors {clash[:4]} would be read from one checkpoint name")
+    return out
+
+
+def _pack_quantized_keys(
+    own: Mapping[str, torch.Tensor],
+    quantized: Mapping[str, str],
+    settings: Mapping[str, LayerSetting],
+    index: Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """The model's state dict with each quantized layer's buffers replaced by the
+    pack-quantized tensors it is read from (meta tensors of the expected shapes; scales and
+    bias in the file's float dtype, the model's when written)."""
+    out = {k: t for k, t in own.items() if k.rpartition(".")[0] not in quantized}
+    for mname, name in quantized.items():
+        s = settings[name]
+        n_out, n_in = own[f"{mname}.scales"].shape[1], own[f"{mname}.g_idx"].shape[0]
+        scale = index.get(f"{name}.weight_scale")
+        float_dtype = scale[2] if scale is not None and scale[2].is_floating_point else torch.float16
+        scheme = Scheme(s.bits, s.group_size, s.sym, False, 0.0, not s.desc_act)
+        layout = packed_layout(
+            "compressed-tensors", (n_out, n_in), bias=f"{mname}.bias" in own, scheme=scheme, float_dtype=float_dtype
+        )
+        for leaf, (shape, dtype) in layout.items():
+            out[f"{mname}.{leaf}"] = torch.empty(shape, dtype=dtype, device="meta")
     return out
 
 

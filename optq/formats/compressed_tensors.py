@@ -11,19 +11,21 @@ same dense bit stream as GPTQ; ``weight_scale`` [N, G] in the model's float dtyp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from optq.core.grid import group_index
 from optq.formats.experts import is_router
 from optq.formats.gptq_config import CheckpointError
 from optq.formats.linears import is_linear
-from optq.formats.packing import pack
+from optq.formats.packing import pack, pack_qweight, pack_qzeros, packed_length, unpack
 from optq.formats.qlinear import QuantLinear
+from optq.formats.schemes import LayerSetting
 
-__all__ = ["export_layer", "check_exportable", "describe", "ignored", "plan_load"]
+__all__ = ["export_layer", "import_layer", "check_exportable", "describe", "ignored"]
 
 
 def _words(count: int, bits: int) -> int:
@@ -76,32 +78,42 @@ def export_layer(name: str, q: QuantLinear, *, sym: bool, dtype: torch.dtype) ->
     return out
 
 
-def describe(base: Mapping[str, Any], ignore: list[str]) -> dict[str, Any]:
-    """The compressed-tensors ``quantization_config`` from the GPTQ one and the float linears."""
-    group_size = base["group_size"]
-    weights = {
-        "num_bits": base["bits"],
+def _weights(s: LayerSetting) -> dict[str, Any]:
+    return {
+        "num_bits": s.bits,
         "type": "int",
-        "symmetric": base["sym"],
-        "strategy": "channel" if group_size == -1 else "group",
-        "group_size": None if group_size == -1 else group_size,
-        "actorder": "static" if base["desc_act"] else None,
+        "symmetric": s.sym,
+        "strategy": "channel" if s.group_size == -1 else "group",
+        "group_size": None if s.group_size == -1 else s.group_size,
+        "actorder": "static" if s.desc_act else None,
         "dynamic": False,
         "observer": "minmax",
+    }
+
+
+def describe(
+    base: Mapping[str, Any], ignore: list[str], groups: Sequence[tuple[LayerSetting, list[str]]] = ()
+) -> dict[str, Any]:
+    """The compressed-tensors ``quantization_config`` from the GPTQ one and the float linears.
+    ``groups``: (setting, targets) per config group, the first the base one (default: every
+    ``Linear`` with the base setting)."""
+    if not groups:
+        groups = [(LayerSetting(base["bits"], base["group_size"], base["sym"], base["desc_act"]), ["Linear"])]
+    config_groups = {
+        f"group_{i}": {
+            "targets": targets,
+            "weights": _weights(setting),
+            "input_activations": None,
+            "output_activations": None,
+            "format": "pack-quantized",
+        }
+        for i, (setting, targets) in enumerate(groups)
     }
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
+        "config_groups": config_groups,
         "ignore": ignore,
         "kv_cache_scheme": None,
         "sparsity_config": {},
@@ -110,9 +122,30 @@ def describe(base: Mapping[str, Any], ignore: list[str]) -> dict[str, Any]:
     }
 
 
-def plan_load(qc: Mapping[str, Any], index: Mapping[str, Any]) -> Any:
-    """Reading pack-quantized folders back is not implemented: load them with transformers."""
-    raise CheckpointError(
-        "optq.load reads GPTQ folders; load a compressed-tensors folder with transformers' "
-        "AutoModelForCausalLM.from_pretrained (needs the compressed-tensors package)"
-    )
+def import_layer(tensors: Mapping[str, torch.Tensor], setting: LayerSetting, *, name: str) -> dict[str, torch.Tensor]:
+    """One pack-quantized layer's tensors (``weight_packed``, ``weight_scale``, ...) as the
+    buffers of a gptq_v2 :class:`QuantLinear` (qweight, qzeros, scales, g_idx, bias)."""
+    bits = setting.bits
+    n_out, n_in = (int(v) for v in tensors["weight_shape"].tolist())
+    packed = tensors["weight_packed"]
+    if (n_out, _words(n_in, bits)) != tuple(packed.shape):
+        raise CheckpointError(f"{name}.weight_shape {[n_out, n_in]} does not fit weight_packed {list(packed.shape)}")
+    full = packed_length(n_in, bits)
+    codes = unpack(torch.nn.functional.pad(packed, (0, full - packed.shape[1])), bits, n_in, dim=1)
+    scales = tensors["weight_scale"]
+    groups = scales.shape[1]
+    if "weight_zero_point" in tensors:
+        zp = tensors["weight_zero_point"]
+        zp = torch.nn.functional.pad(zp, (0, 0, 0, packed_length(n_out, bits) - zp.shape[0]))
+        zeros = unpack(zp, bits, n_out, dim=0)
+    else:
+        zeros = torch.full((n_out, groups), 1 << (bits - 1), dtype=torch.int32)
+    out = {
+        "qweight": pack_qweight(codes, bits),
+        "qzeros": pack_qzeros(zeros, bits, "gptq_v2"),
+        "scales": scales.t().to(torch.float16).contiguous(),
+        "g_idx": group_index(n_in, setting.group_size, packed.device),
+    }
+    if "bias" in tensors:
+        out["bias"] = tensors["bias"].to(torch.float16)
+    return out

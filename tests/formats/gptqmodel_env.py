@@ -97,11 +97,15 @@ save_file({"logits": logits.contiguous()}, out_file, metadata={"kinds": json.dum
 
 def load_with_transformers(site: Path | None, folder: Path, ids_file: Path, out_file: Path) -> None:
     """Run ``from_pretrained`` on ``folder`` in a subprocess with ``site`` first on the path."""
+    _run(site, LOAD_SCRIPT, folder, ids_file, out_file)
+
+
+def _run(site: Path | None, script: str, folder: Path, ids_file: Path, out_file: Path) -> None:
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run(
-        [sys.executable, "-c", LOAD_SCRIPT, str(folder), str(ids_file), str(out_file)],
+        [sys.executable, "-c", script, str(folder), str(ids_file), str(out_file)],
         env=env,
         capture_output=True,
         text=True,
@@ -110,3 +114,26 @@ def load_with_transformers(site: Path | None, folder: Path, ids_file: Path, out_
     )
     if proc.returncode:
         raise AssertionError(f"transformers + GPTQModel failed on {folder}:\n{proc.stderr[-3000:]}")
+
+
+GPTQMODEL_SCRIPT = """
+import json, sys, torch
+from safetensors.torch import load_file, save_file
+from gptqmodel import BACKEND, GPTQModel
+folder, ids_file, out_file = sys.argv[1:4]
+model = GPTQModel.load(folder, device="cpu", backend=BACKEND.AUTO, dtype=torch.bfloat16).model
+with torch.no_grad():
+    logits = model(load_file(ids_file)["ids"]).logits.float()
+layers = {
+    n: [getattr(m, k, None) for k in ("bits", "group_size", "sym", "desc_act")]
+    for n, m in model.named_modules()
+    if type(m).__module__.startswith("gptqmodel.")
+}
+save_file({"logits": logits.contiguous()}, out_file, metadata={"layers": json.dumps(layers)})
+"""
+
+
+def load_with_gptqmodel(site: Path | None, folder: Path, ids_file: Path, out_file: Path) -> None:
+    """Run GPTQModel's own loader (``GPTQModel.load``, transformers underneath; it reads
+    ``dynamic``) on ``folder`` in a subprocess, in bfloat16 (its CPU kernels' dtypes)."""
+    _run(site, GPTQMODEL_SCRIPT, folder, ids_file, out_file)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -275,21 +274,6 @@ def _reference_and_folder(tmp_path: Path, fmt: str, **cfg):
     optq.save(model, tmp_path / "q", solutions=sols, format=fmt)
     replace_linears(model, sols)
     return _logits(model, IDS), tmp_path / "q"
-
-
-@pytest.fixture(scope="session")
-def gptqmodel_site() -> Path | None:
-    """None when GPTQModel is importable here, else a folder holding it (fetched once, cached)."""
-    if importlib.util.find_spec("gptqmodel") and importlib.util.find_spec("optimum"):
-        return None
-    from formats.gptqmodel_env import Unavailable, gptqmodel_path
-
-    from optq.data.corpora import cache_dir
-
-    try:
-        return gptqmodel_path(cache_dir() / "test-packages")
-    except (Unavailable, OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"GPTQModel 7.7 could not be fetched or built here: {exc}")
 
 
 @pytest.mark.slow

@@ -70,5 +70,8 @@ def test_scheme_of_layers_reads_what_the_solver_used():
     assert (scheme.bits, scheme.group_size, scheme.sym, scheme.damp) == (3, 16, False, 0.05)
     assert scheme.natural == bool(torch.equal(layer.g_idx, torch.arange(64, dtype=torch.int32) // 16))
     other = QuantLinear.from_solution(_layer((32, 64), optq.QuantConfig(bits=4, group_size=16), False)[0], None)
-    with pytest.raises(CheckpointError, match="different"):
-        Scheme.of_layers({"a": layer, "b": other})
+    # layers may differ: the base is the most common setting, the others are listed by name
+    mixed = Scheme.of_layers({"a": layer, "b": other, "c": other})
+    assert (mixed.bits, mixed.group_size, mixed.sym, mixed.natural) == (4, 16, True, True)
+    assert [n for n, _ in mixed.layers] == ["a"] and mixed.for_layer("a").bits == 3
+    assert mixed.for_layer("b") == Scheme(4, 16, True, True, 0.05, True)
