@@ -60,6 +60,7 @@ def run_model(args: argparse.Namespace) -> int:
     from optq.data import corpora, zoo
     from optq.eval.compare import compare, parse_variant
     from optq.formats.checkpoint import save
+    from optq.formats.engines import ENGINES
 
     from .compare import plot, table
 
@@ -97,11 +98,14 @@ def run_model(args: argparse.Namespace) -> int:
             save(model, out, solutions=res.report.solutions, tokenizer=tokenizer, report=res.report, overwrite=True)
             saved["fp_bytes"] = sum(p.numel() * 4 for p in model.parameters())  # the fp32 model it came from
             print(f"saved the GPTQ checkpoint to {out}", flush=True)
+            whys = sorted({row["why"] for row in res.report.schemes.values()})
+            if whys:  # the group sizes the serving engines need (SmolLM2's width 576 with group 128)
+                print(f"note: {len(res.report.schemes)} layers (in GPTQ and rtn alike): {'; '.join(whys)}")
 
     def load() -> Any:  # each variant its own fp model, loaded when its turn comes and freed after
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
-    compare(load, variants, calib, evaluation, progress=not args.no_progress, on_result=show)
+    compare(load, variants, calib, evaluation, progress=not args.no_progress, on_result=show, serve=ENGINES)
     result = {
         "model": MODEL,
         "calib": "enwiki",

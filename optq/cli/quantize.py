@@ -28,6 +28,8 @@ BITS = (2, 3, 4, 8)  # the code widths the checkpoint formats pack
 
 def register(subparsers: Any) -> None:
     """Add the ``quantize`` subcommand."""
+    from optq.formats.engines import ENGINES
+
     p = subparsers.add_parser(
         "quantize",
         help="quantize a causal LM with GPTQ and write it with its report",
@@ -124,6 +126,26 @@ def register(subparsers: Any) -> None:
         help="quantize only matching linears (wildcards or re:REGEX; repeatable)",
     )
     c.add_argument("--exclude", action="append", metavar="PATTERN", help="skip matching linears")
+    c.add_argument(
+        "--override",
+        dest="overrides",
+        action="append",
+        type=_override,
+        metavar="PATTERN:FIELD=VALUE[,...]",
+        help="per-layer settings, e.g. '*.down_proj:bits=8' (repeatable; the first matching pattern decides)",
+    )
+    s = p.add_argument_group("serving (every layer checked before any work)")
+    s.add_argument(
+        "--serve",
+        default=",".join(ENGINES),
+        metavar="ENGINES",
+        help=f"engines every layer must run on, from {','.join(ENGINES)} (default all; 'none': no check)",
+    )
+    s.add_argument(
+        "--strict-groups",
+        action="store_true",
+        help="refuse layers whose width the group size does not divide (default: a smaller group for those layers)",
+    )
     m = p.add_argument_group("mixture of experts (see docs/moe.md)")
     m.add_argument(
         "--moe-calibration",
@@ -196,6 +218,15 @@ def register(subparsers: Any) -> None:
         "rough time) without reading any weight, and stop",
     )
     p.set_defaults(func=run)
+
+
+def _override(text: str) -> Any:
+    from optq.pipeline.schemes import parse_override_text
+
+    try:
+        return parse_override_text(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fields_from_args(cls: Any, args: argparse.Namespace) -> Any:

@@ -48,7 +48,8 @@ def summary(report: Any) -> str:
             "error |ΔWx|² against round-to-nearest's, on a sample of the tokens"
         )
     by_reason: dict[str, list[tuple[str, str]]] = {}
-    for name, why in {**report.skipped, **report.fallbacks}.items():
+    own = {name: f"quantized with {row['changes']}: {row['why']}" for name, row in report.schemes.items()}
+    for name, why in {**report.skipped, **report.fallbacks, **own}.items():
         by_reason.setdefault(re.sub(r"\d+", "N", why), []).append((name, why))
     for items in by_reason.values():  # one line per kind of reason: 256 starved experts are one note
         names = [n for n, _ in items]

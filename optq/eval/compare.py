@@ -98,20 +98,22 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def round_to_nearest(model: nn.Module, config: QuantConfig) -> dict[str, Any]:
-    """Round every linear of the decoder blocks to nearest on ``config``'s grid, in place."""
+def round_to_nearest(model: nn.Module, config: QuantConfig, serve: Sequence[str] = ()) -> dict[str, Any]:
+    """Round every linear of the decoder blocks to nearest on ``config``'s grid, in place; with
+    ``serve``, each layer on the grid the pipeline would give it for those engines (the group
+    sizes of ``optq.pipeline.schemes.resolve``), so that it compares like for like with GPTQ."""
     from optq.core.solver import rtn
     from optq.formats.linears import find_linears, get_weight, set_weight
     from optq.pipeline.blocks.discovery import find_blocks
+    from optq.pipeline.schemes import resolve
 
     prefix, blocks = find_blocks(model)
-    layers = 0
+    linears = {n: m for i, block in enumerate(blocks) for n, m in find_linears(block, f"{prefix}.{i}").items()}
+    schemes = resolve(linears, list(linears), config, serve=serve)
     with torch.no_grad():
-        for i, block in enumerate(blocks):
-            for module in find_linears(block, f"{prefix}.{i}").values():
-                set_weight(module, rtn(get_weight(module), config).weight)
-                layers += 1
-    return {"layers": layers, "blocks": len(blocks)}
+        for name, module in linears.items():
+            set_weight(module, rtn(get_weight(module), schemes.of(name)).weight)
+    return {"layers": len(linears), "blocks": len(blocks)}
 
 
 @dataclass
@@ -149,6 +151,7 @@ def compare(
     device: torch.device | str | None = None,
     progress: bool = True,
     on_result: Callable[[VariantResult, nn.Module], None] | None = None,
+    serve: Sequence[str] = (),
 ) -> list[VariantResult]:
     """Quantize a fresh copy of ``base_model`` per variant and evaluate each on ``evaluation``.
 
@@ -161,6 +164,8 @@ def compare(
             already placed where the model needs it).
         on_result: called with (result, quantized model) after each variant, e.g. to print a
             row as soon as it is known or to save the model.
+        serve: the engines the quantized layers must run on (``RunSettings.serve``): GPTQ and
+            round-to-nearest both take the group sizes they need.
     """
     from optq.pipeline.blocks.loop import quantize  # the pipeline pulls in transformers-aware code
     from optq.pipeline.blocks.memory import release_host_memory
@@ -173,7 +178,7 @@ def compare(
         if v.method == "rtn":
             # Round-to-nearest needs no calibration: round each block linear directly.
             t = time.perf_counter()
-            res.totals = round_to_nearest(model, v.config)
+            res.totals = round_to_nearest(model, v.config, serve)
             res.quantize_s = time.perf_counter() - t
         elif v.method != "fp":
             t = time.perf_counter()
@@ -186,6 +191,7 @@ def compare(
                 progress=progress,
                 batch_size=batch_size,
                 device=device,
+                serve=tuple(serve),
             )
             res.quantize_s = time.perf_counter() - t
             res.totals = report.totals

@@ -100,7 +100,9 @@ class Report:
     Hessian taken from all tokens or rounded to nearest). Nothing ever falls back to
     round-to-nearest silently. ``moe`` holds, per mixture-of-experts block, its expert stages, the
     Hessian chunks and the forwards they cost beyond the dense schedule. ``solved_by`` names, in a
-    run over several processes (torch.distributed), the rank that solved each layer.
+    run over several processes (torch.distributed), the rank that solved each layer. ``schemes``
+    names each layer quantized with settings other than ``config``: what differs, and why (an
+    override, or a group size the serving engines need; ``optq.pipeline.schemes``).
     """
 
     layers: dict[str, LayerReport]
@@ -114,6 +116,7 @@ class Report:
     solutions: dict[str, Solution] = field(default_factory=dict, repr=False)
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)
     solved_by: dict[str, int] = field(default_factory=dict)
+    schemes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, Any]:
@@ -184,6 +187,7 @@ class Report:
                 "block_seconds": self.block_seconds,
                 "skipped": self.skipped,
                 "fallbacks": self.fallbacks,
+                "schemes": self.schemes,
                 "moe": self.moe,
                 "distributed": self.distributed(),
             }

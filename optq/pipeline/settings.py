@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from optq.formats.engines import parse_engines
 from optq.formats.files import parse_size
 from optq.formats.layout import CHECKPOINT_FORMATS
+from optq.pipeline.schemes import parse_overrides
 
 __all__ = [
     "RunSettings",
@@ -74,6 +76,11 @@ def _patterns(value: Sequence[str] | str | None, what: str) -> tuple[str, ...] |
     return items
 
 
+def _engines(value: Any) -> tuple[str, ...]:
+    text = value if isinstance(value, str) else ",".join(value or ())
+    return () if text.strip() in ("", "none") else parse_engines(text)
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {allowed}")
@@ -105,6 +112,14 @@ class RunSettings:
             batch's forward per group; one forward per block, several times the memory). Blocks
             with experts, repeated calls or several processes are always replayed.
         include, exclude: module-name patterns (wildcards or ``re:REGEX``) choosing the linears.
+        overrides: per-layer settings, ``{pattern: {QuantConfig field: value}}`` (or pairs), the
+            first matching pattern deciding (``optq.pipeline.schemes``).
+    Where it will be served:
+        serve: the engines every layer must run on, of "vllm", "transformers", "optq" (or
+            "all"; the command line's default). A layer's group size they refuse (one that does
+            not divide its width) is replaced by the largest they take; other refusals stop the
+            run before work. Empty (the library's default): no check.
+        strict_groups: refuse such layers instead, naming them.
     Where and in what precision:
         device: the compute device (None: where the model's blocks are; CPU when streaming).
         compute_dtype: dtype of the block forwards, "float32", "bfloat16" or "float16" (None:
@@ -135,6 +150,9 @@ class RunSettings:
     strategy: str = "replay"
     include: tuple[str, ...] | None = None
     exclude: tuple[str, ...] | None = None
+    overrides: tuple[tuple[str, dict[str, Any]], ...] = ()
+    serve: tuple[str, ...] = ()
+    strict_groups: bool = False
     device: str | None = None
     compute_dtype: str | None = None
     hessian_dtype: str = "float32"
@@ -159,6 +177,10 @@ class RunSettings:
         _choice("strategy", self.strategy, STRATEGIES)
         put("include", _patterns(self.include, "include"))
         put("exclude", _patterns(self.exclude, "exclude"))
+        put("overrides", parse_overrides(self.overrides))
+        put("serve", _engines(self.serve))
+        if not isinstance(self.strict_groups, bool):
+            raise ValueError(f"strict_groups={self.strict_groups!r} must be True or False")
         if not isinstance(self.offload_activations, bool):
             raise ValueError(f"offload_activations={self.offload_activations!r} must be True or False")
         if self.offload_activations and self.device is not None and not str(self.device).startswith("cpu"):
@@ -234,4 +256,6 @@ class RunSettings:
             if out[key] is not None:
                 out[key] = list(out[key])
         out["max_shard_size"] = str(self.max_shard_size)
+        out["overrides"] = [[p, dict(f)] for p, f in self.overrides]
+        out["serve"] = list(self.serve)
         return out

@@ -74,7 +74,7 @@ def solve_units(work: BlockWork, units: Sequence[SolveUnit], first: int) -> None
             row, fallback, header = gathered[name]
             module = work.linears[name]
             sol = report.solutions.pop(name, None)
-            sol = _exchange(dist, owner[name], sol, header, (get_weight(module), work.run.config))
+            sol = _exchange(dist, owner[name], sol, header, (get_weight(module), work.run.config_of(name)))
             if name not in mine:
                 set_weight(module, sol.weight)
             report.layers[name] = row
@@ -140,7 +140,15 @@ def solve_group(work: BlockWork, unit: SolveUnit, index: int, members: Sequence[
     write their weights back and their rows into the report (``index``: the block's group
     number, for the report)."""
     subset = list(unit.subset if members is None else members)
-    hess, method, config, report = unit.hessian, unit.method, work.run.config, work.report
+    parts: dict[Any, list[str]] = {}  # members quantized with one config are solved stacked
+    for name in subset:
+        parts.setdefault(work.run.config_of(name), []).append(name)
+    for config, names in parts.items():
+        _solve_stack(work, unit, index, names, config)
+
+
+def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str], config: Any) -> None:
+    hess, method, report = unit.hessian, unit.method, work.report
     mods = [work.linears[n] for n in subset]
     weights = [get_weight(m) for m in mods]
     if hess.count == 0 and method != "rtn":

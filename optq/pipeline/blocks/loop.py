@@ -155,6 +155,7 @@ def new_report(run: Run, options: dict[str, Any]) -> Report:
         seconds=0.0,
         block_seconds=[],
         skipped=dict(run.skipped),
+        schemes=run.schemes.to_dict() if run.schemes is not None else {},
     )
 
 

@@ -8,6 +8,7 @@ positions), splits fused experts into linears, and returns a :class:`Run`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,12 @@ from optq.formats.linears import find_linears, get_weight, is_linear
 from optq.pipeline.blocks.calibration import calibration_samples, make_batches, max_positions
 from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
 from optq.pipeline.distributed.ranks import Dist, current
+from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings
 
 __all__ = ["Run", "prepare", "check_finite_weights"]
+
+log = logging.getLogger("optq.pipeline")
 
 
 @dataclass
@@ -48,6 +52,11 @@ class Run:
     facts: dict[str, Any]
     dist: Dist = field(default_factory=Dist)
     calibration_digest: str = ""  # of every rank's samples: the same on all ranks
+    schemes: LayerSchemes | None = None  # each target's own config (None: ``config`` for all)
+
+    def config_of(self, name: str) -> QuantConfig:
+        """The ``QuantConfig`` linear ``name`` is quantized with (``optq.pipeline.schemes``)."""
+        return self.config if self.schemes is None else self.schemes.of(name)
 
     def options(self) -> dict[str, Any]:
         """The report's ``options``: the settings (``RunSettings.to_dict``) and the facts."""
@@ -85,6 +94,17 @@ def prepare(
         skipped[name] = "router: kept in float (name it in include to quantize it)"
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
+    schemes = resolve(
+        linears,
+        sorted(targets),
+        config,
+        settings.overrides,
+        serve=settings.serve,
+        strict_groups=settings.strict_groups,
+        fmt=settings.format,
+    )
+    for line in schemes.notes:
+        log.info(line)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     samples = calibration_samples(
         calibration,
@@ -119,12 +139,14 @@ def prepare(
         "calibration_shares": shares,
     }
     run = Run(config, settings, blocks_name, blocks, linears, targets, batches, device, skipped, facts, dist)
+    run.schemes = schemes
     dist.same_everywhere(
         "the arguments (calibration, settings, targets)",
         [
             {k: v for k, v in run.options().items() if k != "device"},
             sorted(targets),
             config.to_dict(),
+            schemes.to_dict(),
             [s.tolist() for s in samples],
         ],
     )

@@ -63,6 +63,7 @@ from optq.pipeline.blocks.calibration import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
 from optq.pipeline.moe.stages import expert_parts, hessian_bytes, siblings
 from optq.pipeline.planning.runplan import RUNTIME_BYTES, RunPlan, machine_speed
+from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings, dtype_name
 
 __all__ = ["plan"]
@@ -108,8 +109,12 @@ def plan(
     names = {f"{blocks_name}.{i}": find_linears(blk, f"{blocks_name}.{i}") for i, blk in enumerate(blocks)}
     all_names = [n for lin in names.values() for n in lin]
     targets, _ = drop_routers(all_names, set(select_names(all_names, s.include, s.exclude)), s.include)
+    every = {n: m for lin in names.values() for n, m in lin.items()}
+    schemes = resolve(
+        every, sorted(targets), config, s.overrides, serve=s.serve, strict_groups=s.strict_groups, fmt=s.format
+    )
     tally = _Tally(
-        config,
+        schemes,
         s,
         T,
         int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 1),
@@ -224,7 +229,7 @@ def plan(
 class _Tally:
     """The per-block terms of a plan: the listing, packed tensors, FLOPs and the solve peak."""
 
-    config: QuantConfig
+    schemes: LayerSchemes
     settings: RunSettings
     tokens: int
     top_k: int
@@ -244,7 +249,7 @@ class _Tally:
             self.peak = (hessians, workspace)
 
     def block(self, bname: str, blk: nn.Module, lin: dict[str, nn.Module]) -> None:
-        T, s, scheme = self.tokens, self.settings, Scheme.of_config(self.config)
+        T, s = self.tokens, self.settings
         groups = _groups(lin)
         group_of = {n: g for g, members in groups.items() for n in members}
         rows = []
@@ -264,7 +269,7 @@ class _Tally:
                     s.format,
                     (int(N), int(K)),
                     bias=getattr(mod, "bias", None) is not None,
-                    scheme=scheme,
+                    scheme=Scheme.of_config(self.schemes.of(n)),
                     float_dtype=self.source_dtype,
                 )
                 self.packed.update({f"{self.layer_name(n)}.{k}": v for k, v in layout.items()})
@@ -280,7 +285,7 @@ class _Tally:
             # Measured on this machine for optq.gptq: the factor, its inverse and the working
             # copies of the stacked rows, in float32.
             solve = (5 * R * K + 4 * K * K) * 4
-            held = hessian_bytes(K, self.config.normalize_tokens, s.hessian_itemsize)  # solver's and plain
+            held = hessian_bytes(K, self.schemes.base.normalize_tokens, s.hessian_itemsize)  # solver's and plain
             parts = expert_parts(mine[0])
             if parts is not None:
                 # An expert stage holds all its experts' Hessians while they are solved, up to

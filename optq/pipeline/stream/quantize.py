@@ -98,6 +98,7 @@ def quantize_pretrained(
     src.use_slices(fused_slices(model, src.index, src.names))  # GPT-OSS as saved: experts fused on disk
     if (fused := fused_in_source(model, src.index, src.names)) is not None:
         raise SourceError(fused)
+    quantization_config(_scheme(run, src, None), settings.format)  # the per-layer schemes, before any block
     options_ = {
         **run.options(),
         "compute_dtype": dtype_name(dtype),
@@ -131,7 +132,7 @@ def _run(
     progress: bool,
 ) -> Report:
     """The run once its journal is open: the blocks left, then the assembly."""
-    settings, config, device = run.settings, run.config, run.device
+    settings, device = run.settings, run.device
     if journal.done:  # resumed: the finished blocks must have been computed from this source
         with run.dist.failing_together():
             if run.dist.rank == 0:
@@ -155,7 +156,7 @@ def _run(
     ignore = ()
     if settings.format == "compressed-tensors":
         ignore = compressed_tensors.ignored(model, run.targets, layer_namer(src.names))
-    qconfig = quantization_config(Scheme.of_config(config, natural), settings.format, ignore)
+    qconfig = quantization_config(_scheme(run, src, natural), settings.format, ignore)
     report.seconds = time.perf_counter() - start
     if run.dist.rank == 0:  # one writer: the other ranks' results are in rank 0's journal
         with journal.writing(journal.folder):
@@ -235,3 +236,9 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
         for key, buf in list(mod._buffers.items()):
             if buf is not None and not buf.is_meta and buf.device != device:
                 mod._buffers[key] = buf.to(device)
+
+
+def _scheme(run: Run, src: SafetensorsSource, natural: bool | None) -> Scheme:
+    """The checkpoint's scheme: each target's config under its checkpoint name."""
+    name = layer_namer(src.names)
+    return Scheme.of_configs(run.config, {name(n): run.config_of(n) for n in sorted(run.targets)}, natural)

@@ -67,7 +67,7 @@ class JournalSink:
             layer = QuantLinear.from_solution(sol, module.bias, storage_format(fmt))
             self.natural = self.natural and is_natural(layer)
             if fmt == "compressed-tensors":
-                tensors = compressed_tensors.export_layer(lname, layer, sym=self.run.config.sym, dtype=self.src.dtype)
+                tensors = compressed_tensors.export_layer(lname, layer, sym=sol.config.sym, dtype=self.src.dtype)
             else:
                 tensors = layer.state_dict()
             self.packed.update({f"{self.module_name(lname)}.{k}": v for k, v in tensors.items()})
