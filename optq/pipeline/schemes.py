@@ -151,9 +151,14 @@ def resolve(
             f"(a group must divide the input width; widths in parentheses): {shown}. Choose a group size that "
             "divides every width, or drop --strict-groups to let optq choose one for those layers"
         )
+    whole = set(refit) - set(_needed(out, names, shapes, serve, fmt))  # fitted for the checkpoint's one scheme
     for name, (asked, chosen) in refit.items():
         out.layers[name] = dataclasses.replace(out.of(name), group_size=chosen)
-        why = f"group size {chosen} instead of {asked}: input width {shapes[name][1]} ({','.join(serve)})"
+        why = f"group size {chosen} instead of {asked}: " + (
+            "one group size for every layer, as transformers reads GPTQ checkpoints"
+            if name in whole
+            else f"input width {shapes[name][1]} ({','.join(serve)})"
+        )
         out.why[name] = f"{out.why[name]}; {why}" if name in out.why else why
     for (asked, chosen), members in _by_value(refit).items():
         widths = sorted({shapes[n][1] for n in members})
@@ -191,6 +196,20 @@ def _refit(
     every layer of a GPTQ checkpoint from the config's one scheme (optimum reads no per-layer
     ``dynamic``), so when it is served from a GPTQ format, every layer asking the same group size
     gets the smallest size chosen among them (which the larger widths' divisors include)."""
+    chosen = _needed(schemes, names, shapes, serve, fmt)
+    if chosen and "transformers" in serve and fmt != "compressed-tensors":
+        for asked in {a for a, _ in chosen.values()}:
+            one = min((c for a, c in chosen.values() if a == asked and c != -1), default=-1)
+            for name in names:
+                if schemes.of(name).group_size == asked:
+                    chosen[name] = (asked, one)
+    return chosen
+
+
+def _needed(
+    schemes: LayerSchemes, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]], serve: Sequence[str], fmt: str
+) -> dict[str, tuple[int, int]]:
+    """The layers whose own shape needs another group size: ``{name: (asked, chosen)}``."""
     from optq.formats import engines
 
     chosen: dict[str, tuple[int, int]] = {}
@@ -203,16 +222,10 @@ def _refit(
                 cache[key] = engines.group_size_for(
                     n_in, cfg.group_size, engines=serve, bits=cfg.bits, sym=cfg.sym, out_features=n_out, fmt=fmt
                 )
-            except ValueError as exc:
-                raise ValueError(f"{name} (input width {n_in}): {exc}") from None
+            except ValueError:  # no group size helps: the check after says what the engines refuse
+                cache[key] = cfg.group_size
         if cache[key] != cfg.group_size:
             chosen[name] = (cfg.group_size, cache[key])
-    if chosen and "transformers" in serve and fmt != "compressed-tensors":
-        for asked in {a for a, _ in chosen.values()}:
-            one = min((c for a, c in chosen.values() if a == asked and c != -1), default=-1)
-            for name in names:
-                if schemes.of(name).group_size == asked:
-                    chosen[name] = (asked, one)
     return chosen
 
 
