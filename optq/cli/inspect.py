@@ -6,11 +6,15 @@ import argparse
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
-from . import CliError
+from optq.formats.schemes import LayerSetting
 
-MARLIN_GROUPS = (-1, 32, 64, 128)
+from . import CliError
+from .inspect_engines import act_order, engine_lines, pattern, scheme_lines
+
+MAX_ROWS = 200  # layers listed one per row; more are merged by pattern (--all-layers: never)
 KINDS = ("attention", "experts (routed)", "shared experts", "routers", "dense MLP", "other")
 _MLP = ("mlp", "block_sparse_moe", "feed_forward")
 _EXPERTS = ("experts (routed)", "shared experts")
@@ -18,22 +22,19 @@ _EXPERTS = ("experts (routed)", "shared experts")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``inspect`` subcommand."""
-    p = subparsers.add_parser("inspect", help="describe a quantized checkpoint folder")
+    p = subparsers.add_parser(
+        "inspect",
+        help="describe a quantized checkpoint folder",
+        description=(
+            "Describe a quantized checkpoint: format, size, which kernels each serving engine "
+            "runs its layers on (or why it refuses them), act-order, per-layer settings and their "
+            f"reasons, parameters by kind, then the layers (one row each up to {MAX_ROWS} layers; "
+            "beyond, rows alike but for block and expert numbers are merged, with a count)."
+        ),
+    )
     p.add_argument("folder", type=Path, help="a folder written by `optq quantize` / optq.save")
+    p.add_argument("--all-layers", action="store_true", help=f"one row per layer even past {MAX_ROWS} layers")
     p.set_defaults(func=run)
-
-
-def marlin_note(qc: dict) -> str:
-    """Whether vLLM's Marlin kernels take these settings, and why not when they do not."""
-    bits, group, sym = qc.get("bits"), qc.get("group_size"), qc.get("sym", True)
-    reasons = []
-    if bits not in (4, 8):
-        reasons.append(f"bits={bits} (Marlin: 4 or 8)")
-    if not sym:
-        reasons.append("asymmetric (Marlin: symmetric only)")
-    if group not in MARLIN_GROUPS:
-        reasons.append(f"group_size={group} (Marlin: -1, 32, 64, 128)")
-    return "yes" if not reasons else "no: " + ", ".join(reasons) + "; vLLM falls back to slower kernels"
 
 
 def kind_of(module: str) -> str:
@@ -90,34 +91,31 @@ def _by_kind(layers: dict[str, tuple[int, int]], index: dict, prefixes: tuple[st
     return lines
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print a summary (format, grid, layers, parameters, size, Marlin), the parameters by kind
-    (attention, routed and shared experts, routers, dense MLP, other) quantized and float, the
-    float weight matrices left in the decoder blocks, then the layers."""
-    from optq.formats.files import natural_key, read_index, read_tensors
-
-    folder: Path = args.folder
+def _report(folder: Path) -> tuple[dict | None, str | None]:
+    """The folder's quantization_report.json (None when absent), and why it could not be read."""
+    path = folder / "quantization_report.json"
+    if not path.exists():
+        return None, None
     try:
-        config = json.loads((folder / "config.json").read_text())
-        index = read_index(folder)
+        report = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise CliError(f"cannot read {folder}: {exc}") from None
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict):
-        raise CliError(f"{folder}/config.json has no quantization_config: not a quantized checkpoint")
+        return None, f"{path.name} unreadable ({exc}): reasons and act-order from the config alone"
+    return (report, None) if isinstance(report, dict) else (None, f"{path.name} is no JSON object")
+
+
+def _layers(folder: Path, index: dict, qc: dict) -> tuple[str, str, dict, dict, LayerSetting, bool]:
+    """(format in words, engine format, {layer: (in, out)}, {layer: LayerSetting}, the base
+    setting, act-order with static groups per the config) of the layers holding packed tensors."""
+    from optq.formats.files import natural_key, read_tensors
+    from optq.formats.schemes import base_setting, layer_schemes
+
     ct = qc.get("quant_method") == "compressed-tensors"
     if ct:
-        w = next(iter(qc.get("config_groups", {}).values()), {}).get("weights", {})
-        view = {
-            "bits": w.get("num_bits"),
-            "group_size": w.get("group_size") or -1,
-            "sym": w.get("symmetric", True),
-            "desc_act": bool(w.get("actorder")),
-        }
-        fmt, marker = f"compressed-tensors ({qc.get('format', '?')})", ".weight_packed"
+        engine_fmt, marker = "compressed-tensors", ".weight_packed"
+        fmt = f"compressed-tensors ({qc.get('format', '?')})"
     else:
-        view, marker = qc, ".qweight"
-        fmt = f"GPTQ (checkpoint_format {qc.get('checkpoint_format', qc.get('format', 'gptq'))})"
+        engine_fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
+        fmt, marker = f"GPTQ (checkpoint_format {engine_fmt})", ".qweight"
     layers = sorted((k[: -len(marker)] for k in index if k.endswith(marker)), key=natural_key)
     shapes = {}
     try:
@@ -129,7 +127,55 @@ def run(args: argparse.Namespace) -> int:
             shapes[name] = (int(n_in), int(n_out))
     except (KeyError, ValueError) as exc:
         raise CliError(f"cannot read {folder}: layer {name} is incomplete ({exc})") from None
-    prefixes = tuple(f"{n}." for n in layers)
+    settings = layer_schemes(qc, layers)
+    if ct:  # actorder "static", the only act-order optq reads there, keeps g_idx natural: no reordering
+        static = any(s.desc_act for s in settings.values())
+        settings = {n: replace(s, desc_act=False) for n, s in settings.items()}
+        base = base_setting(settings) if settings else LayerSetting(0, -1, True, False)
+        return fmt, engine_fmt, shapes, settings, base, static
+    sym, desc_act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
+    base = LayerSetting(qc.get("bits"), qc.get("group_size", -1), sym, desc_act)
+    return fmt, engine_fmt, shapes, settings, base, bool(qc.get("static_groups")) and not desc_act
+
+
+def _rows(shapes: dict, settings: dict, merged: bool) -> list[str]:
+    """The layer table: one row per layer, or (``merged``) one per pattern, shape and setting."""
+    rows: dict[tuple, int] = {}
+    for name, (n_in, n_out) in shapes.items():
+        key = (pattern(name) if merged else name, n_in, n_out, settings[name])
+        rows[key] = rows.get(key, 0) + 1
+    width = max((len(k[0]) for k in rows), default=5)
+    count = f" {'count':>6s}" if merged else ""
+    lines = [f"  {'layer':{width}s}{count} {'in':>6s} {'out':>6s} {'bits':>4s} {'group':>5s} sym"]
+    for (name, n_in, n_out, s), n in rows.items():
+        count = f" {n:6d}" if merged else ""
+        sym = "yes" if s.sym else "no"
+        lines.append(f"  {name:{width}s}{count} {n_in:6d} {n_out:6d} {s.bits:4d} {s.group_size:5d} {sym}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print a summary (format, base setting, act-order, layers, parameters, size), per serving
+    engine the kernels that run the layers and the refusals with reasons, the parameters by kind
+    (attention, routed and shared experts, routers, dense MLP, other) quantized and float, the
+    float weight matrices left in the decoder blocks, the layers whose setting differs and why,
+    then the layers (merged by pattern past :data:`MAX_ROWS`, unless ``--all-layers``)."""
+    from optq.formats.engines import LayerShape
+    from optq.formats.files import natural_key, read_index
+
+    folder: Path = args.folder
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        index = read_index(folder)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read {folder}: {exc}") from None
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise CliError(f"{folder}/config.json has no quantization_config: not a quantized checkpoint")
+    fmt, engine_fmt, shapes, settings, base, static = _layers(folder, index, qc)
+    report, unreadable = _report(folder)
+    ct = engine_fmt == "compressed-tensors"
+    prefixes = tuple(f"{n}." for n in shapes)
     quantized = sum(i * o for i, o in shapes.values())
     floats = sum(
         math.prod(shape)
@@ -139,37 +185,46 @@ def run(args: argparse.Namespace) -> int:
     tensor_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in index.values())
     disk = sum((folder / f).stat().st_size for f in {f for f, _, _ in index.values()})
     fp32 = 4 * (quantized + floats)
-    bits, group = view.get("bits"), view.get("group_size")
+    differ = sum(1 for s in settings.values() if s != base)
+    group = base.group_size
     print(
-        f"{folder}: {fmt}, {bits}-bit, group size {group}, "
-        f"{'symmetric' if view.get('sym', True) else 'asymmetric'}, "
-        f"act-order (desc_act): {'yes' if view.get('desc_act') else 'no'}"
+        f"{folder}: {fmt}, {base.bits}-bit, group size {group}, "
+        f"{'symmetric' if base.sym else 'asymmetric'}"
+        + (f" (base; {differ} layers differ: see schemes)" if differ else "")
+        + f", act-order: {act_order(report, base.desc_act, static)}"
     )
-    print(f"quantized layers: {len(layers)}; parameters: {quantized / 1e6:.2f} M quantized, {floats / 1e6:.2f} M float")
+    print(f"quantized layers: {len(shapes)}; parameters: {quantized / 1e6:.2f} M quantized, {floats / 1e6:.2f} M float")
     print(
         f"size on disk: {disk / 1e6:.1f} MB ({tensor_bytes / 1e6:.1f} MB of tensors); "
         f"fp32: {fp32 / 1e6:.1f} MB; ratio {disk / max(fp32, 1):.3f}"
     )
+
+    def shape(name: str, s: LayerSetting) -> LayerShape:
+        return LayerShape(*shapes[name], s.bits, s.group_size, s.sym, s.desc_act)
+
+    layer_shapes = {n: shape(n, s) for n, s in settings.items()}
+    base_shape = None if ct or not shapes else LayerShape(1, 1, base.bits, base.group_size, base.sym, base.desc_act)
+    served = (report.get("options") or {}).get("serve", []) if report else None
+    for line in engine_lines(layer_shapes, engine_fmt, base_shape, served):
+        print(line)
     matrices = float_matrices(index, prefixes)
-    marlin = marlin_note(view)
     float_experts = [n for n, (_, _, kind) in matrices.items() if kind in _EXPERTS]
     if float_experts:
         shown = ", ".join(float_experts[:4]) + (" ..." if len(float_experts) > 4 else "")
-        marlin = ("yes for the quantized layers" if marlin == "yes" else marlin) + (
-            f"; expert weights left in float ({shown}) run unquantized"
-        )
-    print(f"vLLM Marlin kernels: {marlin}")
+        print(f"  expert weights left in float ({shown}) run unquantized on every engine")
+    if unreadable:
+        print(f"note: {unreadable}")
     print()
     for line in _by_kind(shapes, index, prefixes):
         print(line)
     if matrices:
         print("float weight matrices in the decoder blocks (not quantized):")
-        for name, (count, shape, kind) in sorted(matrices.items(), key=lambda kv: natural_key(kv[0])):
-            print(f"    {name}: {count} x {shape}, {kind}")
-    width = max((len(n) for n in layers), default=5)
-    print(f"\n  {'layer':{width}s} {'in':>6s} {'out':>6s}")
-    for name in layers:
-        n_in, n_out = shapes[name]
-        print(f"  {name:{width}s} {n_in:6d} {n_out:6d}")
+        for name, (count, shape_, kind) in sorted(matrices.items(), key=lambda kv: natural_key(kv[0])):
+            print(f"    {name}: {count} x {shape_}, {kind}")
+    for line in scheme_lines(settings, base, report):
+        print(line)
+    print()
+    for line in _rows(shapes, settings, len(shapes) > MAX_ROWS and not args.all_layers):
+        print(line)
     print(f"\nquantization_config: {json.dumps(qc, sort_keys=True)}")
     return 0

@@ -214,7 +214,7 @@ def test_inspect_summary_first_and_natural_order(tmp_path: Path, capsys) -> None
     assert main(["inspect", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{tmp_path / 'q'}: GPTQ (checkpoint_format gptq), 4-bit, group size 32, symmetric")
-    assert out[0].endswith("act-order (desc_act): no")
+    assert out[0].endswith("act-order: yes, static groups (g_idx natural, no reordering)")  # QuantConfig's default
     quantized = sum(s.weight.numel() for s in sols.values())
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     floats = sum(t.numel() for k, t in tensors.items() if t.is_floating_point() and not k.endswith(".scales"))
@@ -223,7 +223,12 @@ def test_inspect_summary_first_and_natural_order(tmp_path: Path, capsys) -> None
     )
     disk = (tmp_path / "q" / "model.safetensors").stat().st_size
     assert out[2].startswith(f"size on disk: {disk / 1e6:.1f} MB")
-    assert out[3] == "vLLM Marlin kernels: yes"
+    assert (
+        out[3].startswith("engines (")
+        and out[4] == "  vllm          77 layers, all on Marlin  (CUDA, tensor parallel 1)"
+    )
+    # GPTQModel's AVX512 kernel, when present, takes no 16-wide output (k_proj, v_proj)
+    assert out[5].startswith("  transformers  55 of 77 layers run") and "refused 22" in out[5]
     layers = [line.split()[0] for line in out if line.startswith("  model.")]
     blocks = [int(n.split(".")[2]) for n in layers]
     assert blocks == sorted(blocks) and blocks[-1] == 10 and len(layers) == len(sols)

@@ -103,8 +103,7 @@ def test_at_most_two_percent_of_gpt_oss_block_matrices_stay_float_and_are_named(
     out = capsys.readouterr().out
     listed = [line.strip() for line in out.splitlines() if line.startswith("    model.")]
     assert listed == ["model.layers.*.mlp.router.weight: 2 x [4, 32], routers"], listed
-    marlin = next(line for line in out.splitlines() if line.startswith("vLLM Marlin kernels: "))
-    assert "expert weights left in float" not in marlin, marlin
+    assert "expert weights left in float" not in out and "\nengines (" in out, out
     loaded = optq.load(tmp_path / "q")
     assert torch.isfinite(_logits(loaded)).all()
 
