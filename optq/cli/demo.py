@@ -9,6 +9,7 @@ held-out enwiki and German text, prints the table, saves the GPTQ checkpoint and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -78,7 +79,8 @@ def run_model(args: argparse.Namespace) -> int:
     hf_config = AutoConfig.from_pretrained(str(folder))
     calib, evaluation = _token_sets(folder, hf_config, corpus_names, args)
     config = QuantConfig(bits=4, group_size=128)
-    variants = [parse_variant(v, config) for v in ("fp", "rtn", "gptq")]
+    # Both quantized variants on the grids the serving engines take (SmolLM2's 576: group 64).
+    variants = [dataclasses.replace(parse_variant(v, config), serve=ENGINES) for v in ("fp", "rtn", "gptq")]
     print(
         f"calibration: {args.nsamples} x {args.seqlen} enwiki tokens; evaluation: {args.windows} x "
         f"{args.seqlen} tokens of {', '.join(corpus_names)}; settings: {config}",
@@ -105,7 +107,7 @@ def run_model(args: argparse.Namespace) -> int:
     def load() -> Any:  # each variant its own fp model, loaded when its turn comes and freed after
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
-    compare(load, variants, calib, evaluation, progress=not args.no_progress, on_result=show, serve=ENGINES)
+    compare(load, variants, calib, evaluation, progress=not args.no_progress, on_result=show)
     result = {
         "model": MODEL,
         "calib": "enwiki",

@@ -38,12 +38,15 @@ VARIANT_HELP = (
 
 @dataclass(frozen=True, kw_only=True)
 class Variant:
-    """One row of a comparison: a method, its settings and how activations propagate."""
+    """One row of a comparison: a method, its settings and how activations propagate; ``serve``:
+    the engines its layers must run on (``RunSettings.serve``: GPTQ and round-to-nearest both take
+    the group sizes they need)."""
 
     name: str
     method: str  # "fp", "rtn" or "gptq"
     config: QuantConfig | None = None
     propagate: str = "quantized"
+    serve: tuple[str, ...] = ()
 
 
 def parse_variant(spec: str, base: QuantConfig) -> Variant:
@@ -151,7 +154,6 @@ def compare(
     device: torch.device | str | None = None,
     progress: bool = True,
     on_result: Callable[[VariantResult, nn.Module], None] | None = None,
-    serve: Sequence[str] = (),
 ) -> list[VariantResult]:
     """Quantize a fresh copy of ``base_model`` per variant and evaluate each on ``evaluation``.
 
@@ -164,8 +166,6 @@ def compare(
             already placed where the model needs it).
         on_result: called with (result, quantized model) after each variant, e.g. to print a
             row as soon as it is known or to save the model.
-        serve: the engines the quantized layers must run on (``RunSettings.serve``): GPTQ and
-            round-to-nearest both take the group sizes they need.
     """
     from optq.pipeline.blocks.loop import quantize  # the pipeline pulls in transformers-aware code
     from optq.pipeline.blocks.memory import release_host_memory
@@ -178,7 +178,7 @@ def compare(
         if v.method == "rtn":
             # Round-to-nearest needs no calibration: round each block linear directly.
             t = time.perf_counter()
-            res.totals = round_to_nearest(model, v.config, serve)
+            res.totals = round_to_nearest(model, v.config, v.serve)
             res.quantize_s = time.perf_counter() - t
         elif v.method != "fp":
             t = time.perf_counter()
@@ -191,7 +191,7 @@ def compare(
                 progress=progress,
                 batch_size=batch_size,
                 device=device,
-                serve=tuple(serve),
+                serve=v.serve,
             )
             res.quantize_s = time.perf_counter() - t
             res.totals = report.totals
