@@ -117,7 +117,8 @@ def plan(
         served = f" for {','.join(s.serve)}" if s.serve else ""
         raise ValueError(
             f"target_bits={target:g} is below the smallest allocation{served}: {low:.3f} stored bits per weight "
-            f"(achievable: {low:.3f} to {high:.3f}); raise it" + (", or name fewer engines (--serve)" if s.serve else "")
+            f"(achievable: {low:.3f} to {high:.3f}); raise it"
+            + (", or name fewer engines (--serve)" if s.serve else "")
         )
     hidden, calls = activations
     fit, held = _split(len(hidden))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from optq.core.config import SUPPORTED_BITS, QuantConfig
 from optq.formats import engines
@@ -89,6 +88,7 @@ def heuristics(names: Sequence[str]) -> dict[str, dict[str, int]]:
     out = {f"uniform-{b}": {n: b for n in names} for b in (2, 3, 4, 8)}
     out["first-last-4"] = {n: 4 if _block_of(n) in (first, last) else 3 for n in names}
     out["attention-4-mlp-3"] = {n: 4 if _attention(n) else 3 for n in names}
-    out["down-4"] = {n: 4 if n.rsplit(".", 1)[-1] in ("down_proj", "fc2", "c_proj", "w2") and not _attention(n) else 3
-                     for n in names}
+    out["down-4"] = {
+        n: 4 if n.rsplit(".", 1)[-1] in ("down_proj", "fc2", "c_proj", "w2") and not _attention(n) else 3 for n in names
+    }
     return out
