@@ -146,6 +146,14 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="refuse layers whose width the group size does not divide (default: a smaller group for those layers)",
     )
+    s.add_argument(
+        "--target-bits",
+        type=float,
+        metavar="B",
+        help="average stored bits per weight (scales and zeros included): each linear's bits and group size "
+        "chosen under it from measured sensitivity, checked by KL to the float model; needs --serve without "
+        "transformers, or --format compressed-tensors",
+    )
     m = p.add_argument_group("mixture of experts (see docs/moe.md)")
     m.add_argument(
         "--moe-calibration",
@@ -163,10 +171,7 @@ def register(subparsers: Any) -> None:
         "Hessian (default: the layer's input width)",
     )
     m.add_argument(
-        "--moe-weighting",
-        choices=("none", "routing"),
-        default="none",
-        help="weigh an expert's tokens by their squared routing weight (default none)",
+        "--moe-weighting", choices=("none", "routing"), default="none", help="tokens weighed by squared routing weight"
     )
     m.add_argument(
         "--max-hessian-memory",
@@ -202,20 +207,13 @@ def register(subparsers: Any) -> None:
         help="keep the calibration activations in a memory-mapped file in OUT.partial/ "
         "instead of RAM (for nsamples x seqlen x hidden larger than memory; CPU only)",
     )
-    o.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the interrupted run in OUT.partial/ (same model, data and flags)",
-    )
+    o.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial/ (same flags)")
     o.add_argument(
         "--overwrite", action="store_true", help="replace OUT if it exists, and start an unfinished OUT.partial/ again"
     )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the plan (blocks and linears, predicted peak RAM by term, disk, a "
-        "rough time) without reading any weight, and stop",
+        "--dry-run", action="store_true", help="print the plan (linears, peak RAM by term, disk, time) and stop"
     )
     p.set_defaults(func=run)
 

@@ -102,7 +102,10 @@ class Report:
     Hessian chunks and the forwards they cost beyond the dense schedule. ``solved_by`` names, in a
     run over several processes (torch.distributed), the rank that solved each layer. ``schemes``
     names each layer quantized with settings other than ``config``: what differs, and why (an
-    override, or a group size the serving engines need; ``optq.pipeline.schemes``).
+    override, or a group size the serving engines need; ``optq.pipeline.schemes``). ``allocation``
+    (``target_bits`` runs): the budget, the stored bits reached, every candidate allocation checked
+    with its KL to the float model, and each layer's bits, group size and reason
+    (``optq.pipeline.allocation.allocate``).
     """
 
     layers: dict[str, LayerReport]
@@ -117,6 +120,7 @@ class Report:
     moe: dict[str, dict[str, Any]] = field(default_factory=dict)
     solved_by: dict[str, int] = field(default_factory=dict)
     schemes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    allocation: dict[str, Any] = field(default_factory=dict)  # --target-bits: what it chose and why
 
     @property
     def totals(self) -> dict[str, Any]:
@@ -188,6 +192,7 @@ class Report:
                 "skipped": self.skipped,
                 "fallbacks": self.fallbacks,
                 "schemes": self.schemes,
+                "allocation": self.allocation,
                 "moe": self.moe,
                 "distributed": self.distributed(),
             }

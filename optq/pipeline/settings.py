@@ -81,6 +81,26 @@ def _engines(value: Any) -> tuple[str, ...]:
     return () if text.strip() in ("", "none") else parse_engines(text)
 
 
+def _target_bits(s: RunSettings) -> None:
+    b = s.target_bits
+    if b is None:
+        return
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 2 < b <= 10:
+        raise ValueError(
+            f"target_bits={b!r} is out of range: give the average stored bits per weight, above 2 "
+            "(2-bit codes plus their scales) and at most 10 (8-bit codes with small groups)"
+        )
+    object.__setattr__(s, "target_bits", float(b))
+    if s.overrides:
+        raise ValueError("target_bits chooses every layer's bits and group size: give it without overrides")
+    if "transformers" in s.serve and s.format != "compressed-tensors":
+        raise ValueError(
+            f"target_bits gives layers different bits, but transformers reads a {s.format} checkpoint with one "
+            "scheme for every layer (optimum ignores per-layer `dynamic`): name the engines you serve with "
+            "without transformers (--serve vllm,optq), or write --format compressed-tensors"
+        )
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {allowed}")
@@ -120,6 +140,11 @@ class RunSettings:
             not divide its width) is replaced by the largest they take; other refusals stop the
             run before work. Empty (the library's default): no check.
         strict_groups: refuse such layers instead, naming them.
+        target_bits: average stored bits per quantized weight (scales, zero points and g_idx
+            included): each linear's bits (2, 3, 4, 8) and group size are chosen under that
+            budget from measured sensitivity, candidates checked by their KL to the float model
+            (``optq.pipeline.allocation.allocate``); the config's bits and group size are then
+            ignored. Not with ``overrides``, nor with transformers serving a GPTQ format.
     Where and in what precision:
         device: the compute device (None: where the model's blocks are; CPU when streaming).
         compute_dtype: dtype of the block forwards, "float32", "bfloat16" or "float16" (None:
@@ -153,6 +178,7 @@ class RunSettings:
     overrides: tuple[tuple[str, dict[str, Any]], ...] = ()
     serve: tuple[str, ...] = ()
     strict_groups: bool = False
+    target_bits: float | None = None
     device: str | None = None
     compute_dtype: str | None = None
     hessian_dtype: str = "float32"
@@ -206,6 +232,7 @@ class RunSettings:
         if self.max_hessian_memory is not None:
             put("max_hessian_memory", parse_size(self.max_hessian_memory, "max_hessian_memory"))
         _choice("format", self.format, FORMATS)
+        _target_bits(self)
         parse_size(self.max_shard_size, "max_shard_size")
 
     @classmethod

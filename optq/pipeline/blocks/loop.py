@@ -126,6 +126,10 @@ def quantize(
     try:
         with torch.no_grad():
             hidden, calls = capture.capture_inputs(model, run.blocks, run.batches, run.device)
+            if s.target_bits is not None:
+                from optq.pipeline.allocation.allocate import apply, plan
+
+                apply(run, plan(run, model, memory, (hidden, calls)), report)
             run_blocks(run, memory, memory, (hidden, calls), report, progress=progress and run.dist.rank == 0)
     except ValueError as exc:
         # Found inside the loop (non-finite activations, a Hessian that cannot be factorised):

@@ -139,6 +139,10 @@ def _run(
                 check_shards(src, journal.shards, journal.state.get("sources") or {}, journal.folder)
     report = new_report(run, options_)
     restore(report, journal.state.get("report"))
+    if report.allocation:  # resumed: the settings the finished blocks were quantized with
+        from optq.pipeline.allocation.allocate import apply
+
+        apply(run, report.allocation, report)
     log.info(
         "streaming %d blocks of %s from %s (%s) in %s on %s, %d x %d calibration tokens",
         len(run.blocks),
@@ -187,6 +191,11 @@ def _quantize_blocks(
         src.load(model[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
         blocks.resident.add(0)
         hidden, calls = capture.capture_inputs(root, model, run.batches, device)
+        if run.settings.target_bits is not None and not report.allocation:
+            from optq.pipeline.allocation.allocate import apply, plan
+
+            src.load(root, "", device, dtype, skip=(f"{prefix}.",))  # the head too: the KL needs logits
+            apply(run, plan(run, root, blocks, (hidden, calls)), report)
         src.release(root, skip=(f"{prefix}.",))  # the embeddings served the capture only
         if journal.done:
             # The capture read the embeddings and block 0 again: they must be what the finished

@@ -94,6 +94,7 @@ def snapshot(report: Report) -> dict[str, Any]:
         "skipped": report.skipped,
         "fallbacks": report.fallbacks,
         "moe": report.moe,
+        "allocation": report.allocation,  # target_bits: a resumed run quantizes with these settings
     }
 
 
@@ -110,3 +111,4 @@ def restore(report: Report, state: dict[str, Any] | None) -> None:
     report.skipped.update(state["skipped"])
     report.fallbacks.update(state["fallbacks"])
     report.moe.update(state.get("moe", {}))
+    report.allocation = dict(state.get("allocation") or {})

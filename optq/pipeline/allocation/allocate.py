@@ -1,0 +1,259 @@
+"""``target_bits`` (``--target-bits B``): each linear's bits and group size under a budget of B
+stored bits per quantized weight (codes, scales, zero points and g_idx counted, bias not).
+
+1. Candidates per layer: bits 2, 3, 4, 8 with group sizes 32, 64, 128 dividing the input width,
+   and per channel, those every engine of ``serve`` runs (``options``); layers vLLM fuses (q/k/v,
+   gate/up) form one unit with one setting.
+2. Sensitivity (``passes.measure``): the float model block by block on most of the calibration
+   batches; each layer's round-to-nearest objective ½ tr(Δ H Δᵀ) at every candidate setting.
+3. Candidate allocations: the exact-size knapsack (``knapsack.solve``) under three error
+   weightings (the objective; the objective relative to ½ tr(W H Wᵀ); their geometric mean),
+   and the fixed heuristics (uniform 3 and 4 bits; first and last blocks at 4; attention at 4
+   and MLP at 3; down projections at 4), each at the finest common group size that fits.
+   Allocations some named engine refuses as a whole model (``schemes.resolve``) are dropped.
+4. Summed layer errors do not predict the model's loss (EvoPress, Sieberling et al. 2024), so
+   the allocations are compared by their effect on the output (``passes.divergence``): mean
+   KL(float || round-to-nearest model) per token on the calibration batches held out of step 2
+   (the last quarter; with one batch, that batch). The lowest KL wins. Round-to-nearest stands
+   in for GPTQ here: cheap, and an assumption (that GPTQ keeps the candidates' order).
+
+The result is JSON (the report's ``allocation``; the streaming journal keeps it, so a resumed run
+quantizes with the same settings) and becomes per-layer schemes through :func:`apply`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from optq.formats.linears import get_weight
+from optq.pipeline.allocation import knapsack
+from optq.pipeline.allocation.options import Setting, heuristics, layer_settings, stored_bits, units_of
+from optq.pipeline.allocation.passes import Streams, divergence, measure
+from optq.pipeline.blocks.capture import Call
+from optq.pipeline.blocks.prepare import Run
+from optq.pipeline.schemes import resolve
+
+__all__ = ["plan", "apply", "head_logits", "WEIGHTINGS"]
+
+WEIGHTINGS = ("objective", "relative", "geometric")
+_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm")
+
+
+def head_logits(model: nn.Module, blocks_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Final hidden states -> logits: the model's final norm (and projection) and head."""
+    parent = model.get_submodule(blocks_name.rpartition(".")[0]) if "." in blocks_name else model
+    norm = next((getattr(parent, a) for a in _NORMS if isinstance(getattr(parent, a, None), nn.Module)), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if norm is None or head is None:
+        raise ValueError(
+            f"target_bits compares allocations by the model's output, but optq finds no final norm "
+            f"({'/'.join(_NORMS)} beside {blocks_name}) or output head in {type(model).__name__}; "
+            "quantize it with fixed settings (--bits, --override) instead"
+        )
+    project = getattr(parent, "project_out", None)
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        x = norm(h)
+        if isinstance(project, nn.Module):
+            x = project(x)
+        y = head(x.to(get_weight(head).dtype))
+        return cap * torch.tanh(y / cap) if cap else y
+
+    return logits
+
+
+def _check(run: Run) -> None:
+    if run.dist.world_size > 1:
+        raise ValueError(
+            "target_bits runs in a single process for now; run it without torchrun (the allocation "
+            "is chosen before any block is quantized), or give fixed settings (--override) per layer"
+        )
+    if any(".experts." in n for n in run.targets):
+        raise ValueError(
+            "target_bits does not allocate mixture-of-experts layers yet; quantize this model with fixed "
+            "settings (--bits, --group-size, --override)"
+        )
+
+
+def _split(n: int) -> tuple[list[int], list[int]]:
+    """Batch indices for the Hessians and for the KL check (held out, the last quarter)."""
+    if n < 2:
+        return [0], [0]
+    held = max(1, n // 4)
+    return list(range(n - held)), list(range(n - held, n))
+
+
+def plan(
+    run: Run, model: nn.Module, source: Any, activations: tuple[list[torch.Tensor], list[list[Call]]]
+) -> dict[str, Any]:
+    """Choose every target's (bits, group size) under ``run.settings.target_bits``; returns the
+    report's ``allocation``. ``source`` loads and releases blocks (the run's block source);
+    ``activations``: the hidden states entering block 0 per batch and every block's calls
+    (left as they are). Raises ValueError before any weight changes when no allocation fits."""
+    _check(run)
+    start = time.perf_counter()
+    s, target = run.settings, run.settings.target_bits
+    names = sorted(run.targets)
+    shapes = {n: tuple(get_weight(run.linears[n]).shape) for n in names}
+    options = {n: layer_settings(shapes[n], run.config_of(n), s.serve, s.format) for n in names}
+    units = units_of(names)
+    unit_options = {u[0]: [o for o in options[u[0]] if all(o in options[m] for m in u)] for u in units}
+    for u in units:
+        if not unit_options[u[0]]:
+            raise ValueError(f"target_bits: no setting of {', '.join(u)} suits {','.join(s.serve)}")
+    sizes = {(n, o): stored_bits(shapes[n], o, run.config_of(n), s.format) for n in names for o in options[n]}
+    weights = sum(shapes[n][0] * shapes[n][1] for n in names)
+    budget = target * weights
+    low = sum(min(sum(sizes[(m, o)] for m in u) for o in unit_options[u[0]]) for u in units) / weights
+    high = sum(max(sum(sizes[(m, o)] for m in u) for o in unit_options[u[0]]) for u in units) / weights
+    if budget < low * weights:
+        served = f" for {','.join(s.serve)}" if s.serve else ""
+        raise ValueError(
+            f"target_bits={target:g} is below the smallest allocation{served}: {low:.3f} stored bits per weight "
+            f"(achievable: {low:.3f} to {high:.3f}); raise it"
+            + (", or name fewer engines (--serve)" if s.serve else "")
+        )
+    hidden, calls = activations
+    fit, held = _split(len(hidden))
+    ids = run.batches
+    errors, energy = measure(run, source, _streams(hidden, calls, ids, fit), options)
+    candidates = _candidates(names, units, unit_options, errors, energy, sizes, budget)
+    refused = {}
+    for key, allocation in list(candidates.items()):
+        try:
+            resolve(run.linears, names, run.config, _overrides(allocation), serve=s.serve, fmt=s.format)
+        except ValueError as exc:
+            refused[key] = str(exc).splitlines()[0]
+            del candidates[key]
+    if not candidates:
+        raise ValueError(
+            f"target_bits={target:g}: every allocation checked is refused by the engines named ({','.join(s.serve)}): "
+            + "; ".join(f"{k}: {why}" for k, why in list(refused.items())[:3])
+            + ". Name only the engines you serve with (--serve), or use --format compressed-tensors"
+        )
+    kl = divergence(run, source, _streams(hidden, calls, ids, held), candidates, head_logits(model, run.blocks_name))
+    chosen = min(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
+    return _result(run, (candidates, kl, refused, chosen), sizes, energy, errors, (fit, held, start))
+
+
+def _streams(hidden: Sequence[torch.Tensor], calls: Sequence[Sequence[Call]], ids, which: list[int]) -> Streams:
+    return Streams([hidden[b] for b in which], [[c[b] for b in which] for c in calls], [ids[b] for b in which])
+
+
+def _overrides(allocation: Mapping[str, Setting]) -> list[tuple[str, dict[str, int]]]:
+    return [(n, {"bits": b, "group_size": g}) for n, (b, g) in sorted(allocation.items())]
+
+
+def _weighted(kind: str, err: float, energy: float) -> float:
+    if kind == "objective":
+        return err
+    scale = energy if kind == "relative" else math.sqrt(energy)
+    return err / scale if scale > 0 else err
+
+
+def _candidates(names, units, unit_options, errors, energy, sizes, budget) -> dict[str, dict[str, Setting]]:
+    """The allocations to compare, by name, identical ones once (the first name kept)."""
+    out: dict[str, dict[str, Setting]] = {}
+    for kind in WEIGHTINGS:
+        table = [
+            [
+                (sum(sizes[(m, o)] for m in u), sum(_weighted(kind, errors[m][o], energy[m]) for m in u))
+                for o in unit_options[u[0]]
+            ]
+            for u in units
+        ]
+        choice = knapsack.solve(table, budget)
+        if choice is not None:
+            _add(out, f"knapsack-{kind}", {m: unit_options[u[0]][j] for u, j in zip(units, choice) for m in u})
+    for key, bits in heuristics(names).items():
+        for group in (32, 64, 128, -1):  # the finest that fits: the most accurate at this size
+            allocation = _with_group(units, unit_options, bits, group)
+            if allocation is not None and sum(sizes[(n, o)] for n, o in allocation.items()) <= budget:
+                _add(out, f"{key}-g{group}", allocation)
+                break
+    return out
+
+
+def _add(out: dict[str, dict[str, Setting]], key: str, allocation: dict[str, Setting]) -> None:
+    if all(allocation != other for other in out.values()):
+        out[key] = allocation
+
+
+def _with_group(units, unit_options, bits: Mapping[str, int], group: int) -> dict[str, Setting] | None:
+    """Each unit at its bits and ``group``, else the next coarser group it takes (None: none)."""
+    order = (32, 64, 128, -1)
+    out = {}
+    for u in units:
+        b = bits[u[0]]
+        found = next((g for g in order[order.index(group) :] if (b, g) in unit_options[u[0]]), None)
+        if found is None:
+            return None
+        out.update({m: (b, found) for m in u})
+    return out
+
+
+def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
+    candidates, kl, refused, chosen = outcome
+    fit, held, start = when
+    names = sorted(run.targets)
+    weights = {n: math.prod(get_weight(run.linears[n]).shape) for n in names}
+    total = sum(weights.values())
+
+    def bpw(allocation: Mapping[str, Setting]) -> float:
+        return sum(sizes[(n, o)] for n, o in allocation.items()) / total
+
+    windows = sum(int(run.batches[b].shape[0]) for b in held)
+    best = candidates[chosen]
+    why = (
+        f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
+        f"({kl[chosen]:.4g} per token, round-to-nearest, {windows} held-out windows) of {len(candidates)} checked"
+    )
+    layers = {}
+    for n in names:
+        b, g = best[n]
+        rel = errors[n][best[n]] / energy[n] if energy[n] > 0 else None
+        layers[n] = {
+            "bits": b,
+            "group_size": g,
+            "bits_per_weight": sizes[(n, best[n])] / weights[n],
+            "rtn_relative_error": rel,
+            "why": f"{why}; {b}-bit, group {g}" + ("" if rel is None else f", its round-to-nearest error {rel:.3g}"),
+        }
+    return {
+        "target_bits": run.settings.target_bits,
+        "bits_per_weight": bpw(best),
+        "chosen": chosen,
+        "proxy": "mean KL(float || round-to-nearest) per token on held-out calibration windows",
+        "windows": {"sensitivity_batches": fit, "kl_batches": held, "kl_windows": windows},
+        "candidates": {
+            **{k: {"bits_per_weight": bpw(a), "kl": kl[k]} for k, a in candidates.items()},
+            **{k: {"refused": why_not} for k, why_not in refused.items()},
+        },
+        "layers": layers,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def apply(run: Run, allocation: Mapping[str, Any], report: Any = None) -> None:
+    """Make ``allocation`` (:func:`plan`'s result) the run's per-layer schemes, each layer's
+    reason saying why; and ``report``'s ``allocation`` and ``schemes``."""
+    s = run.settings
+    chosen = {n: (row["bits"], row["group_size"]) for n, row in allocation["layers"].items()}
+    schemes = resolve(run.linears, sorted(run.targets), run.config, _overrides(chosen), serve=s.serve, fmt=s.format)
+    for n, row in allocation["layers"].items():
+        schemes.why[n] = row["why"]
+    schemes.notes.append(
+        f"target-bits {allocation['target_bits']:g}: {allocation['bits_per_weight']:.3f} stored bits per weight, "
+        f"allocation {allocation['chosen']}"
+    )
+    run.schemes = schemes
+    if report is not None:
+        report.allocation = dict(allocation)
+        report.schemes = schemes.to_dict()
