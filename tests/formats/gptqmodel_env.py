@@ -100,12 +100,12 @@ def load_with_transformers(site: Path | None, folder: Path, ids_file: Path, out_
     _run(site, LOAD_SCRIPT, folder, ids_file, out_file)
 
 
-def _run(site: Path | None, script: str, folder: Path, ids_file: Path, out_file: Path) -> None:
+def _run(site: Path | None, script: str, folder: Path, ids_file: Path, out_file: Path, *extra: str) -> None:
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(folder), str(ids_file), str(out_file)],
+        [sys.executable, "-c", script, str(folder), str(ids_file), str(out_file), *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -137,3 +137,34 @@ def load_with_gptqmodel(site: Path | None, folder: Path, ids_file: Path, out_fil
     """Run GPTQModel's own loader (``GPTQModel.load``, transformers underneath; it reads
     ``dynamic``) on ``folder`` in a subprocess, in bfloat16 (its CPU kernels' dtypes)."""
     _run(site, GPTQMODEL_SCRIPT, folder, ids_file, out_file)
+
+
+GENERATE_SCRIPT = """
+import json, sys, torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+folder, ids_file, out_file, kernels = sys.argv[1:5]
+if kernels == "no-avx512":  # GPTQModel's choice on a CPU without AVX512-BF16 (most CI runners)
+    import gptqmodel.utils.cpu_features as cpu
+
+    cpu.has_avx512_bf16 = lambda: False
+ids = load_file(ids_file)
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu")
+with torch.no_grad():
+    logits = model(ids["sequence"]).logits.float()
+    out = model.generate(ids["prompt"], max_new_tokens=int(ids["new_tokens"]), do_sample=False)
+kinds = sorted({type(m).__module__ + "." + type(m).__name__ for m in model.model.layers.modules()})
+tensors = {"logits": logits.contiguous(), "generated": out.contiguous()}
+save_file(tensors, out_file, metadata={"kinds": json.dumps(kinds)})
+"""
+
+
+def generate_with_transformers(
+    site: Path | None, folder: Path, ids_file: Path, out_file: Path, kernels: str = "auto"
+) -> None:
+    """In a subprocess with ``site`` first on the path: ``from_pretrained`` on ``folder`` (fp32),
+    the logits of ``ids_file``'s ``sequence`` and a greedy ``generate`` of ``new_tokens`` (a 0-d
+    tensor) tokens after its ``prompt``, saved to ``out_file`` (``logits``, ``generated``; the
+    metadata's ``kinds``: the module classes in the blocks). ``kernels``: "auto" (GPTQModel picks
+    for this CPU) or "no-avx512" (GPTQModel told this CPU lacks AVX512-BF16)."""
+    _run(site, GENERATE_SCRIPT, folder, ids_file, out_file, kernels)
