@@ -143,15 +143,16 @@ def resolve(
     if not serve:
         return out
     shapes = {n: tuple(get_weight(linears[n]).shape) for n in names}
-    refit = _refit(out, names, shapes, serve, fmt)  # name -> (asked, chosen) group size
-    if strict_groups and refit:
-        shown = ", ".join(f"{n} ({shapes[n][1]})" for n in list(refit)[:6]) + (" ..." if len(refit) > 6 else "")
+    need = _needed(out, names, shapes, serve, fmt)  # name -> (asked, chosen) group size, for its own shape
+    if strict_groups and need:
+        shown = ", ".join(f"{n} ({shapes[n][1]})" for n in list(need)[:6]) + (" ..." if len(need) > 6 else "")
         raise ValueError(
-            f"--strict-groups: {len(refit)} layer(s) need another group size for {','.join(serve)} "
+            f"--strict-groups: {len(need)} layer(s) need another group size for {','.join(serve)} "
             f"(a group must divide the input width; widths in parentheses): {shown}. Choose a group size that "
             "divides every width, or drop --strict-groups to let optq choose one for those layers"
         )
-    whole = set(refit) - set(_needed(out, names, shapes, serve, fmt))  # fitted for the checkpoint's one scheme
+    refit = _refit(out, need, names, serve, fmt)
+    whole = set(refit) - set(need)  # fitted for the checkpoint's one scheme
     for name, (asked, chosen) in refit.items():
         out.layers[name] = dataclasses.replace(out.of(name), group_size=chosen)
         why = f"group size {chosen} instead of {asked}: " + (
@@ -188,15 +189,16 @@ def resolve(
 
 
 def _refit(
-    schemes: LayerSchemes, names: Sequence[str], shapes: Mapping[str, tuple[int, ...]], serve: Sequence[str], fmt: str
+    schemes: LayerSchemes, need: Mapping[str, tuple[int, int]], names: Sequence[str], serve: Sequence[str], fmt: str
 ) -> dict[str, tuple[int, int]]:
-    """Layers whose group size the engines need changed: ``{name: (asked, chosen)}``.
+    """Layers whose group size changes: ``{name: (asked, chosen)}``.
 
-    Each layer gets ``engines.group_size_for`` its widths (576 with 128: 64). transformers builds
-    every layer of a GPTQ checkpoint from the config's one scheme (optimum reads no per-layer
-    ``dynamic``), so when it is served from a GPTQ format, every layer asking the same group size
-    gets the smallest size chosen among them (which the larger widths' divisors include)."""
-    chosen = _needed(schemes, names, shapes, serve, fmt)
+    ``need``: the layers whose own shape needs another (``engines.group_size_for``: 576 with 128
+    gives 64). transformers builds every layer of a GPTQ checkpoint from the config's one scheme
+    (optimum reads no per-layer ``dynamic``), so when it is served from a GPTQ format, every layer
+    asking the same group size gets the smallest size chosen among them (which the larger widths'
+    divisors include)."""
+    chosen = dict(need)
     if chosen and "transformers" in serve and fmt != "compressed-tensors":
         for asked in {a for a, _ in chosen.values()}:
             one = min((c for a, c in chosen.values() if a == asked and c != -1), default=-1)
