@@ -4,9 +4,12 @@ Runs ``optq.quantize(..., method="rtn", target_bits=B)`` once, keeps every candi
 the KL check compared (knapsacks and heuristics), then measures each candidate's perplexity as a
 round-to-nearest model (the proxy's own setting; GPTQ runs of every candidate are left to a
 longer benchmark) on held-out enwiki (and other corpora), beside its RTN KL and stored bits.
-Prints a table and writes benchmarks/results/allocation.json.
+Prints a table and writes benchmarks/results/allocation.json. ``--gptq NAMES`` also quantizes the
+named candidates (``chosen`` for the KL's pick) with GPTQ, each layer at its allocated bits and
+group size, on the same calibration, and adds their perplexity (``gptq_<corpus>``).
 
     python benchmarks/allocation.py [--target-bits 3.5] [--nsamples 16] [--seqlen 256] [--windows 8]
+        [--gptq chosen,uniform-3-g64,first-last-4-g64,attention-4-mlp-3-g128,down-4-g128]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--windows", type=int, default=8, help="perplexity windows of 512 tokens per corpus")
     ap.add_argument("--corpora", default="enwiki")
+    ap.add_argument("--gptq", default="", help="candidates to quantize with GPTQ too (comma-separated; 'chosen')")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = zoo.load_model("smollm2-135m")
@@ -78,6 +82,21 @@ def main() -> None:
         q = rtn_model(model, allocation)
         rows[key] = {**a["candidates"][key], **{c: ppl(q, c) for c in evals}}
         del q
+    for key in [k.strip() for k in args.gptq.split(",") if k.strip()]:
+        key = a["chosen"] if key == "chosen" else key
+        t = time.perf_counter()
+        q = copy.deepcopy(model)
+        optq.quantize(
+            q,
+            calib,
+            optq.QuantConfig(bits=4, group_size=128),
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
+            overrides=[(name, {"bits": b, "group_size": g}) for name, (b, g) in seen[key].items()],
+            progress=False,
+        )
+        rows[key].update({f"gptq_{c}": ppl(q, c) for c in evals}, gptq_seconds=time.perf_counter() - t)
+        del q
     result = {
         "target_bits": args.target_bits,
         "calibration": f"{args.nsamples} x {args.seqlen} enwiki",
@@ -91,13 +110,12 @@ def main() -> None:
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(result, indent=1))
     print(f"allocation {a['seconds']:.1f} s of a {seconds:.1f} s RTN run; chosen {a['chosen']}")
-    print(f"{'candidate':28} {'bits/w':>7} {'KL':>9} " + " ".join(f"{c:>10}" for c in evals))
+    cols = [*evals, *(f"gptq_{c}" for c in evals if args.gptq)]
+    print(f"{'candidate':28} {'bits/w':>7} {'KL (rtn)':>9} " + " ".join(f"{c:>12}" for c in cols))
     for key, row in rows.items():
         mark = " *" if key == a["chosen"] else ""
-        print(
-            f"{key + mark:28} {row['bits_per_weight']:7.3f} {row['kl']:9.5f} "
-            + " ".join(f"{row[c]:10.3f}" for c in evals)
-        )
+        values = " ".join(f"{row[c]:12.3f}" if c in row else f"{'-':>12}" for c in cols)
+        print(f"{key + mark:28} {row['bits_per_weight']:7.3f} {row['kl']:9.5f} {values}")
 
 
 if __name__ == "__main__":

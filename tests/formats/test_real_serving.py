@@ -118,8 +118,11 @@ def test_no_engine_refuses_a_layer_and_the_report_says_why(smol_checkpoint):
     for name, entry in schemes.items():
         assert entry["changes"] == {"group_size": 64}, (name, entry)
         why = entry["why"]
-        assert "group size 64 instead of 128" in why and f"input width {shapes[name].in_features}" in why, why
-        assert "transformers" in why, why
+        assert "group size 64 instead of 128" in why and "transformers" in why, why
+        if shapes[name].in_features == 576:  # 128 does not divide it
+            assert "input width 576" in why, why
+        else:  # 1536 takes 128: changed only because transformers reads one group size per checkpoint
+            assert "one group size for every layer" in why, why
 
 
 @pytest.fixture(scope="module")
