@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -114,6 +115,10 @@ class Scheme:
             tuple(sorted((n, s) for n, s in settings.items() if s != base)),
         )
 
+    @cached_property
+    def _by_name(self) -> dict[str, LayerSetting]:  # one dict per scheme: for_layer runs per layer
+        return dict(self.layers)
+
     @property
     def base(self) -> LayerSetting:
         return LayerSetting(self.bits, self.group_size, self.sym, not self.natural)
@@ -121,7 +126,7 @@ class Scheme:
     def for_layer(self, name: str) -> Scheme:
         """The scheme of one layer (checkpoint name), for :func:`packed_layout`: the base one
         unless ``layers`` names it."""
-        s = dict(self.layers).get(name)
+        s = self._by_name.get(name)
         if s is None:
             return replace(self, layers=())
         return replace(self, bits=s.bits, group_size=s.group_size, sym=s.sym, natural=not s.desc_act, layers=())
