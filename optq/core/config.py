@@ -106,6 +106,12 @@ class QuantConfig:
             _fail("diag_shrink", self.diag_shrink, "a fraction from 0 to 1")
 
     @property
+    def natural_groups(self) -> bool:
+        """Whether ``g_idx`` stays k // group_size: no act-order, or act-order with static groups
+        (loaders need not reorder; a checkpoint's ``desc_act`` is the negation)."""
+        return not self.act_order or bool(self.static_groups)
+
+    @property
     def maxq(self) -> int:
         """The largest code, 2^bits - 1."""
         return (1 << self.bits) - 1

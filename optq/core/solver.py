@@ -213,7 +213,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     scales = torch.empty(n_groups, rows, dtype=dtype, device=device)
     zeros = torch.empty(n_groups, rows, dtype=dtype, device=device)
     natural = grid.group_index(cols, config.group_size, device)
-    if config.static_groups or not config.act_order:
+    if config.natural_groups:
         g_idx = natural
     else:
         g_idx = torch.empty(cols, dtype=torch.int32, device=device)

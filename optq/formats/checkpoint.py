@@ -34,7 +34,7 @@ from optq.formats import compressed_tensors as checkpoint_ct
 from optq.formats.atomic import atomic_folder
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
-from optq.formats.gptq_config import CheckpointError, check_gptq_config, is_natural, quantized_layers
+from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
 from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, packed_layout, quantization_config
 from optq.formats.qlinear import QuantLinear
 from optq.formats.schemes import LayerSetting, layer_schemes
@@ -163,39 +163,36 @@ def save(
         if report is not None:
             write_json(tmp / REPORT_FILE, report if isinstance(report, dict) else report.to_dict())
     log.info("saved %d quantized layers (%s) to %s", len(layers), format, folder)
-    _warn_refused(layers, format, folder)
+    _warn_refused(layers, scheme, module_name, format, folder)
     return folder
 
 
-def _warn_refused(layers: Mapping[str, QuantLinear], fmt: str, folder: Path) -> None:
+def _warn_refused(
+    layers: Mapping[str, QuantLinear], scheme: Scheme, name: Callable[[str], str], fmt: str, folder: Path
+) -> None:
     """One warning per engine of ``optq.formats.engines`` that refuses some saved layer (the
-    pipeline checks ``serve`` before work; a checkpoint saved from elsewhere is told here)."""
+    pipeline checks ``serve`` before work; a checkpoint saved from elsewhere is told here), each
+    layer as ``scheme`` writes it (under its checkpoint name, ``name``)."""
     from optq.formats.engines import ENGINES, LayerShape, check_engines
 
-    shapes = {
-        n: LayerShape(q.in_features, q.out_features, q.bits, q.group_size, _sym(q), not is_natural(q))
-        for n, q in layers.items()
-    }
+    shapes = {}
+    for n, q in layers.items():
+        s = scheme.for_layer(name(n))
+        shapes[n] = LayerShape(q.in_features, q.out_features, s.bits, s.group_size, s.sym, not s.natural)
     for engine, verdicts in check_engines(shapes, ENGINES, fmt).items():
         refused = [(n, v) for n, v in verdicts.items() if v.refused]
         if refused:
-            name, v = refused[0]
+            n, v = refused[0]
             log.warning(
                 "%s: %s refuses %d of %d layers, e.g. %s (%s); `optq inspect %s` lists them",
                 folder,
                 engine,
                 len(refused),
                 len(verdicts),
-                name,
+                n,
                 "; ".join(f"{k}: {why}" for k, why in v.refusals[-1:]),
                 folder,
             )
-
-
-def _sym(q: QuantLinear) -> bool:
-    if q.quant_config is not None:
-        return q.quant_config.sym
-    return bool((q.zeros() == (1 << (q.bits - 1))).all())
 
 
 def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -57,7 +57,7 @@ class Scheme:
         """The scheme a run with ``config`` writes. ``natural`` as found in the packed layers, or
         (None) as the config implies: act-order without static groups permutes groups."""
         if natural is None:
-            natural = _natural(config)
+            natural = config.natural_groups
         return cls(config.bits, config.group_size, config.sym, bool(config.static_groups), config.damp, natural)
 
     @classmethod
@@ -76,7 +76,7 @@ class Scheme:
                 return natural
             if natural is not None and name in natural:
                 return natural[name]
-            return _natural(config)
+            return config.natural_groups
 
         marks = {n: (c.bits, c.group_size, c.sym, is_nat(n, c)) for n, c in layers.items()}
         return cls._of(marks, static_groups=any(bool(c.static_groups) for c in layers.values()), damp=base.damp)
@@ -130,10 +130,6 @@ class Scheme:
         if s is None:
             return replace(self, layers=())
         return replace(self, bits=s.bits, group_size=s.group_size, sym=s.sym, natural=not s.desc_act, layers=())
-
-
-def _natural(config: QuantConfig) -> bool:
-    return not config.act_order or bool(config.static_groups)
 
 
 def quantization_config(scheme: Scheme, fmt: str, ignore: Sequence[str] = ()) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def _shape(shape: tuple[int, ...], cfg: QuantConfig) -> Any:
     from optq.formats.engines import LayerShape
 
     n_out, n_in = shape
-    return LayerShape(n_in, n_out, cfg.bits, cfg.group_size, cfg.sym, cfg.act_order and not cfg.static_groups)
+    return LayerShape(n_in, n_out, cfg.bits, cfg.group_size, cfg.sym, not cfg.natural_groups)
 
 
 def _by_value(items: Mapping[str, Any]) -> dict[Any, list[str]]:

@@ -40,7 +40,7 @@ def _takes(shape: tuple[int, int], setting: Setting, config: QuantConfig, serve:
     bits, group = setting
     if group != -1 and n_in % group:
         return False
-    layer = engines.LayerShape(n_in, n_out, bits, group, config.sym, config.act_order and not config.static_groups)
+    layer = engines.LayerShape(n_in, n_out, bits, group, config.sym, not config.natural_groups)
     return not any(engines.verdict(e, layer, fmt).refused for e in serve)
 
 
