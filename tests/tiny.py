@@ -56,6 +56,23 @@ def build(arch: str, seed: int = 0) -> nn.Module:
     return model.float().eval()
 
 
+def llama(
+    *, hidden: int = 32, inter: int = 64, heads: int = 4, kv: int = 2, layers: int = 2, seed: int = 0
+) -> nn.Module:
+    """A tiny randomly initialised Llama of chosen widths (``build("llama")`` is the default one)."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=layers,
+        max_position_embeddings=64,
+    )
+    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
 def tokens(n: int = 4, seqlen: int = 16, seed: int = 1) -> torch.Tensor:
     """Random calibration token ids [n, seqlen]."""
     return torch.randint(0, VOCAB, (n, seqlen), generator=torch.Generator().manual_seed(seed))

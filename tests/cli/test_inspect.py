@@ -11,8 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from tiny import tokens
+from tiny import llama, tokens
 
 import optq
 from optq.cli import main
@@ -25,23 +24,8 @@ STATIC = "act-order: yes, static groups (g_idx natural, no reordering)"
 AVX_ELSE_ATEN = "TorchCpuAvx512Linear on CPUs with AVX512-BF16, else TorchAtenLinear"
 
 
-def _llama(kv_heads: int = 2) -> torch.nn.Module:
-    """Hidden 128, intermediate 256, 4 heads of 32: k/v are 64 wide (32 with one kv head)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _saved(folder: Path, config: optq.QuantConfig, fmt: str = "gptq", kv_heads: int = 2, **options) -> Path:
-    model = _llama(kv_heads)
+    model = llama(hidden=128, inter=256, kv=kv_heads)  # 4 heads of 32: k/v 64 wide (32 with one kv head)
     report = optq.quantize(model, tokens(n=4, seqlen=16), config, progress=False, **options)
     optq.save(model, folder, solutions=report.solutions, report=report, format=fmt)
     return folder

@@ -16,6 +16,7 @@ import pytest
 import torch
 from pipeline.resume_helpers import Kill, after_commit
 from safetensors import safe_open
+from tiny import llama
 
 import optq
 from optq.core import solver
@@ -29,17 +30,7 @@ HEURISTICS = ("first-last-4", "attention-4-mlp-3", "down-4", "uniform-3")
 
 
 def _model(seed: int = 0, layers: int = 4):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=layers,
-        max_position_embeddings=64,
-    )
-    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    return llama(hidden=64, inter=128, layers=layers, seed=seed)
 
 
 def _calib() -> torch.Tensor:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from tiny import llama
 
 import optq
 from optq.core.config import QuantConfig
@@ -18,20 +19,6 @@ transformers = pytest.importorskip("transformers")
 CFG = QuantConfig(bits=3, group_size=16)
 
 
-def _llama(hidden: int = 32, inter: int = 64, heads: int = 4, kv: int = 2, seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).float().eval()
-
-
 def _ids() -> torch.Tensor:
     return torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
 
@@ -41,8 +28,8 @@ def _quantize(model, config=CFG, **kw):
 
 
 def test_an_override_changes_only_the_layers_it_names():
-    plain = _quantize(_llama())
-    report = _quantize(_llama(), overrides={"*.down_proj": {"bits": 8}, "*.0.mlp.*": {"bits": 2}})
+    plain = _quantize(llama())
+    report = _quantize(llama(), overrides={"*.down_proj": {"bits": 8}, "*.0.mlp.*": {"bits": 2}})
     for name, sol in report.solutions.items():
         want = 8 if name.endswith("down_proj") else (2 if ".0.mlp." in name else 3)  # the first pattern decides
         assert sol.config.bits == want, name
@@ -60,8 +47,8 @@ def test_an_override_changes_only_the_layers_it_names():
 def test_members_of_one_hessian_with_different_configs_are_solved_apart():
     # k_proj alone at 4 bits, group 8: q and v are still solved stacked on the shared H, and a
     # stacked solve equals separate ones, so they are the plain run's exactly.
-    plain = _quantize(_llama())
-    report = _quantize(_llama(), overrides=[("*.0.self_attn.k_proj", {"bits": 4, "group_size": 8})])
+    plain = _quantize(llama())
+    report = _quantize(llama(), overrides=[("*.0.self_attn.k_proj", {"bits": 4, "group_size": 8})])
     k = report.solutions["model.layers.0.self_attn.k_proj"]
     assert (k.config.bits, k.config.group_size, k.scales.shape[1]) == (4, 8, 4)
     assert int(k.codes.max()) > 7  # a 4-bit grid was used, not the 3-bit one
@@ -72,7 +59,7 @@ def test_members_of_one_hessian_with_different_configs_are_solved_apart():
 
 def test_group_sizes_are_fitted_per_layer_for_vllm_and_optq_and_model_wide_for_transformers():
     # hidden 96: q/k/v/o/gate/up read 96 columns, down_proj 256; 64 divides only 256.
-    model = _llama(hidden=96, inter=256, heads=4, kv=4)
+    model = llama(hidden=96, inter=256, heads=4, kv=4)
     config = QuantConfig(bits=4, group_size=64)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
     per_layer = resolve(linears, list(linears), config, serve=("vllm", "optq"))
@@ -98,7 +85,7 @@ def test_group_sizes_are_fitted_per_layer_for_vllm_and_optq_and_model_wide_for_t
 
 
 def test_strict_groups_refuses_before_any_block_naming_the_layers():
-    model = _llama(hidden=96, inter=256, heads=4, kv=4)
+    model = llama(hidden=96, inter=256, heads=4, kv=4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"--strict-groups: 12 layer\(s\).*q_proj \(96\)"):
         _quantize(model, QuantConfig(bits=4, group_size=64), serve=("vllm", "optq"), strict_groups=True)
@@ -109,14 +96,14 @@ def test_what_no_group_size_fixes_is_refused_naming_layer_and_engine():
     # 3 bits on a 16-wide output: vLLM's gptq kernel packs output columns in 32-bit words.
     first = r"4 layer\(s\)[^\n]*\n  model.layers.0.self_attn.k_proj \(vllm\): .*output width x bits % 32"
     with pytest.raises(ValueError, match=first):
-        _quantize(_llama(), serve=("vllm",))
-    _quantize(_llama(), serve=("optq",))  # optq's loader runs any shape
+        _quantize(llama(), serve=("vllm",))
+    _quantize(llama(), serve=("optq",))  # optq's loader runs any shape
 
 
 def test_an_override_that_splits_a_layer_vllm_fuses_is_refused():
     with pytest.raises(ValueError, match="qkv_proj|fused"):
         _quantize(
-            _llama(hidden=128, inter=256),
+            llama(hidden=128, inter=256),
             QuantConfig(bits=4, group_size=32),
             overrides={"*.q_proj": {"bits": 8}},
             serve=("vllm",),
@@ -140,7 +127,7 @@ def test_bad_overrides_are_refused_when_the_settings_are_built(value, match):
 
 def test_an_override_matching_no_layer_is_refused():
     with pytest.raises(ValueError, match="'\\*.qproj' matches none"):
-        _quantize(_llama(), overrides={"*.qproj": {"bits": 8}})
+        _quantize(llama(), overrides={"*.qproj": {"bits": 8}})
 
 
 def test_serve_settings():
@@ -181,7 +168,7 @@ def test_a_streamed_checkpoint_records_per_layer_schemes_as_planned(tmp_path, fm
     from optq.pipeline.stream.quantize import quantize_pretrained
 
     src, out = tmp_path / "src", tmp_path / "out"
-    _llama().save_pretrained(src)
+    llama().save_pretrained(src)
     kw = dict(overrides={"*.down_proj": {"bits": 8}}, serve=("optq",), format=fmt)
     predicted = plan(src, CFG, nsamples=8, seqlen=16, speed={"flops": 1e10, "solve_unit": 1e-10}, **kw)
     report = quantize_pretrained(src, out, _ids(), CFG, progress=False, batch_size=4, **kw)
@@ -205,9 +192,9 @@ def test_save_warns_per_engine_that_refuses_saved_layers(tmp_path, caplog):
             optq.save(model, tmp_path / folder, solutions=report.solutions)
         return [r.getMessage() for r in caplog.records if r.name == "optq.checkpoint"]
 
-    model = _llama()
+    model = llama()
     warned = saved(model, _quantize(model, QuantConfig(bits=4, group_size=16)), "odd")  # no serve: nothing fitted
     assert len(warned) == 1 and ": transformers refuses 14 of 14 layers" in warned[0], warned  # GPTQModel: group 16
-    model = _llama(hidden=128, inter=256)
+    model = llama(hidden=128, inter=256)
     report = _quantize(model, QuantConfig(bits=4, group_size=32), serve=("vllm", "transformers", "optq"))
     assert saved(model, report, "clean") == []
