@@ -32,6 +32,7 @@ from torch import nn
 
 from optq.formats import compressed_tensors as checkpoint_ct
 from optq.formats.atomic import atomic_folder
+from optq.formats.compact import EMBEDDINGS, compact_embeddings
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
 from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
@@ -195,14 +196,22 @@ def _warn_refused(
             )
 
 
-def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load(
+    folder: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    embeddings: str = "model",
+) -> nn.Module:
     """Load a checkpoint written by :func:`save` (or any GPTQ / pack-quantized one) as a model.
 
     The architecture is built from ``config.json`` with transformers, its parameters on the meta
     device (no fp32 weights are materialised for quantized layers); layers with a ``qweight``
     (or ``weight_packed``) tensor become :class:`~optq.formats.qlinear.QuantLinear`. Every tensor is checked
     against the expected shape and dtype; missing, unexpected or mismatched tensors raise
-    :class:`CheckpointError`. Other weights are cast to ``dtype``.
+    :class:`CheckpointError`. Other weights are cast to ``dtype``. ``embeddings`` stores the token
+    embedding and a float head as ``"model"`` (``dtype``), ``"bfloat16"`` or ``"int8"``
+    (:func:`optq.formats.compact.compact_embeddings`: less memory, a faster head).
 
     Tensors are looked up under the original checkpoint's names (what :func:`save` writes):
     a mixture-of-experts model's fused experts become
@@ -214,6 +223,8 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
 
     from optq.formats.linears import get_weight, is_linear
 
+    if embeddings not in EMBEDDINGS:
+        raise ValueError(f"embeddings={embeddings!r}: choose one of {EMBEDDINGS}")
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -303,7 +314,7 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     if left:
         raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
     model.config.quantization_config = qc
-    return model.to(device).eval()
+    return compact_embeddings(model, embeddings).to(device).eval()
 
 
 _SCALES = (".scales", ".weight_scale")

@@ -34,7 +34,7 @@ def test_saved_checkpoint_evaluates_like_the_in_memory_model(smollm2, enwiki, gp
     for q in qlinears:
         q.use_fast_path = True  # PyTorch's packed int4 kernel, computing in bfloat16
     fast_ppl = optq.perplexity(loaded, windows)
-    assert all(q._fast_cache is not None and q._fast_cache["packed"] is not None for q in qlinears)
+    assert all(q._fast_cache is not None and q._fast_cache["fast"] is not None for q in qlinears)
     print(
         f"4-bit enwiki perplexity: in memory {memory_ppl:.4f}, loaded exact {exact_ppl:.4f}, loaded fast {fast_ppl:.4f}"
     )

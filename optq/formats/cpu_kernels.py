@@ -1,0 +1,147 @@
+"""Fast CPU matmuls for :class:`~optq.formats.qlinear.QuantLinear`, at every bit width.
+
+Two kernels, both computing in bfloat16 (in torch 2.13 the only dtype whose CPU kernels for
+these operations are vectorised: float32 and float16 inputs take scalar loops, about 100x
+slower, measured on this machine):
+
+- decode (few rows): PyTorch's packed int4 kernel ``_weight_int4pack_mm_for_cpu``, which
+  computes ``w = (c - 8) * S + M`` per group from 4-bit codes c. Our weight is
+  ``s * (q - z)``; with ``m = 2^(b-1)``, the middle code, a layer of b <= 4 bits is one *plane*
+  with ``c = q + 8 - m``, ``S = s``, ``M = s * (m - z)``. 2- and 3-bit codes fit the 4-bit range
+  exactly (centred on 8, so that ``(c - 8) * S`` and ``M`` stay as small as the weight and
+  bfloat16's rounding of them stays relative to it); the kernel's weight is then 4-bit in memory
+  (half a byte per weight, not 3/8 or 1/4). An 8-bit code q = 16 h + l is two planes, ``h``
+  with ``S = 16 s, M = s * (136 - z)`` and ``l`` with ``S = s, M = 0``; their sum is
+  ``16 s h + s l - s z = s * (q - z)``. It reads one byte per weight, as an int8 kernel would. (PyTorch's int8 kernel
+  ``_weight_int8pack_mm`` takes one scale per output channel only; our 8-bit layers have a
+  scale and zero point per group, which it cannot express without one call per group.)
+- prefill (many rows): the int4 kernel is slower than float32 matmul there (it is built for
+  matrix-vector products), so the weight is dequantized to bfloat16 from the packed codes
+  (``(q - 8) * S + M``, the same arithmetic) and multiplied with bfloat16 matmul, which uses
+  the CPU's bfloat16 units: ``(q - m) * s + s * (m - z)``. The dequantized weight lives only
+  for the call.
+
+Both agree with the exact float32 reference to bfloat16 precision: the activations and S, M
+are rounded to 8 significant bits (unit roundoff 2^-8 each), products accumulate in float32.
+The layout needs out_features % 16 == 0 (the int4 packer) and a kernel group size of 32, 64,
+128 or 256 dividing both the group size and in_features, with each group's input channels
+contiguous once sorted by ``g_idx`` (natural order and act-order with static groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from optq.core.grid import group_index
+
+__all__ = ["KERNEL_GROUPS", "PREFILL_ROWS", "FastWeight", "build", "matmul", "supported"]
+
+KERNEL_GROUPS = (256, 128, 64, 32)
+"""Group sizes ``_weight_int4pack_mm_for_cpu`` accepts (largest first: fewer scales to read)."""
+
+PREFILL_ROWS = 16
+"""Rows (tokens) from which dequantize + bfloat16 matmul replaces the int4 kernel."""
+
+
+def supported(bits: int, in_features: int, out_features: int, group_size: int) -> int | None:
+    """The kernel group size for this shape, or None when the fast path cannot run it
+    (act-order layouts are checked in :func:`build`, which sees ``g_idx``)."""
+    if bits not in (2, 3, 4, 8) or out_features % 16 or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    g = in_features if group_size == -1 else group_size
+    return next((c for c in KERNEL_GROUPS if g % c == 0 and in_features % c == 0), None)
+
+
+@dataclass
+class FastWeight:
+    """A layer's codes in the int4 kernel's layout, with what both kernels need.
+
+    ``mid``: the middle code 2^(bits-1). ``planes``: one (packed codes, scale_zero float32
+    [K/group, N, 2]) per 4-bit plane (two for 8-bit layers). ``scale_zero``: s and
+    ``s * (mid - z)`` of the whole code, for dequantizing ``(q - mid) * s + s * (mid - z)`` (the prefill
+    path unpacks the checkpoint's ``qweight`` again, so no second copy of the codes is kept).
+    ``perm``: the input-channel order (act-order) or None. ``by_dtype``: S and M cast per
+    compute dtype, per plane and for the whole code.
+    """
+
+    group: int
+    mid: float
+    planes: list[tuple[torch.Tensor, torch.Tensor]]
+    scale_zero: torch.Tensor
+    perm: torch.Tensor | None
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes held beyond the checkpoint's own buffers."""
+        tensors = [t for p in self.planes for t in p] + [self.scale_zero]
+        tensors += [t for ts in self.by_dtype.values() for t in ts]
+        return sum(t.numel() * t.element_size() for t in tensors) + (0 if self.perm is None else self.perm.nbytes)
+
+
+def build(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int
+) -> FastWeight | None:
+    """The fast layout of ``bits``-bit codes [N, K], scales [G, N], zeros [N, G] (code units).
+
+    None when the shape or ``g_idx`` does not allow it (see the module's description).
+    """
+    n, k = codes.shape
+    kernel_group = supported(bits, k, n, group_size)
+    if kernel_group is None:
+        return None
+    g_idx = g_idx.to(torch.int32)
+    natural = group_index(k, group_size, g_idx.device)
+    perm = None
+    if not torch.equal(g_idx, natural):
+        # Act-order g_idx: sorting input channels by group makes groups contiguous again.
+        perm = torch.argsort(g_idx, stable=True)
+        if not torch.equal(g_idx[perm], natural):
+            return None
+        codes = codes[:, perm]
+    # Kernel sub-group j covers sorted channels [j*kg, (j+1)*kg), all inside group j*kg // g.
+    groups = natural[::kernel_group].long()
+    s = scales.float()[groups]  # [K/kg, N]
+    z = zeros.t().float()[groups]
+    codes = codes.to(torch.int32)
+    mid = float(1 << (bits - 1))
+    scale_zero = torch.stack([s, s * (mid - z)], dim=-1).contiguous()
+    if bits <= 4:
+        planes = [(_pack(codes + int(8 - mid)), scale_zero)]
+    else:
+        high = (_pack(codes >> 4), torch.stack([16.0 * s, s * (136.0 - z)], dim=-1))
+        low = (_pack(codes & 15), torch.stack([s, torch.zeros_like(s)], dim=-1))
+        planes = [high, low]
+    return FastWeight(kernel_group, mid, planes, scale_zero, perm)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+
+
+def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``x [M, K] @ W.T``, computed in ``dtype`` and returned in it (the caller casts back).
+
+    ``dense``: None for the int4 kernel; for dequantize + matmul, the integer codes [K, N] in
+    natural channel order (the caller unpacks them from ``qweight``, see :data:`PREFILL_ROWS`).
+    """
+    if fast.perm is not None:
+        x = x.index_select(1, fast.perm)
+    x = x.to(dtype).contiguous()
+    sz = fast.by_dtype.get(dtype)
+    if sz is None:
+        sz = fast.by_dtype[dtype] = [p[1].to(dtype).contiguous() for p in fast.planes] + [fast.scale_zero.to(dtype)]
+    if dense is not None:
+        if fast.perm is not None:
+            dense = dense.index_select(0, fast.perm)
+        kg, (k, n) = fast.group, dense.shape
+        w = dense.to(dtype).view(k // kg, kg, n).sub_(fast.mid)
+        w = torch.addcmul(sz[-1][..., 1].unsqueeze(1), w, sz[-1][..., 0].unsqueeze(1))
+        return x @ w.view(k, n)
+    y = None
+    for (packed, _), s in zip(fast.planes, sz, strict=False):
+        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, s)
+        y = part if y is None else y.add_(part)
+    assert y is not None
+    return y
