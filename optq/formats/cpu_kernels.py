@@ -30,13 +30,15 @@ contiguous once sorted by ``g_idx`` (natural order and act-order with static gro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from optq.core.grid import group_index
 
-__all__ = ["KERNEL_GROUPS", "PREFILL_ROWS", "FastWeight", "build", "matmul", "supported"]
+__all__ = ["KERNEL_GROUPS", "PREFILL_ROWS", "FastWeight", "build", "dequantize", "matmul", "supported"]
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 """Group sizes ``_weight_int4pack_mm_for_cpu`` accepts (largest first: fewer scales to read)."""
@@ -56,42 +58,41 @@ def supported(bits: int, in_features: int, out_features: int, group_size: int) -
 
 @dataclass
 class FastWeight:
-    """A layer's codes in the int4 kernel's layout, with what both kernels need.
+    """A layer's codes in the int4 kernel's layout, with what both kernels need, for one dtype.
 
-    ``mid``: the middle code 2^(bits-1). ``planes``: one (packed codes, scale_zero float32
-    [K/group, N, 2]) per 4-bit plane (two for 8-bit layers). ``scale_zero``: s and
-    ``s * (mid - z)`` of the whole code, for dequantizing ``(q - mid) * s + s * (mid - z)`` (the prefill
-    path unpacks the checkpoint's ``qweight`` again, so no second copy of the codes is kept).
-    ``perm``: the input-channel order (act-order) or None. ``by_dtype``: S and M cast per
-    compute dtype, per plane and for the whole code.
+    ``dtype``: what the kernels compute in. ``mid``: the middle code 2^(bits-1). ``planes``: one
+    (packed codes, S and M [K/group, N, 2] in ``dtype``) per 4-bit plane (two for 8-bit layers).
+    ``scale_zero``: s and ``s * (mid - z)`` of the whole code, for dequantizing
+    ``(q - mid) * s + s * (mid - z)`` (the prefill path unpacks the checkpoint's ``qweight``
+    again, so no second copy of the codes is kept). ``perm``: the input-channel order
+    (act-order) or None.
     """
 
+    dtype: torch.dtype
     group: int
     mid: float
     planes: list[tuple[torch.Tensor, torch.Tensor]]
     scale_zero: torch.Tensor
     perm: torch.Tensor | None
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Bytes held beyond the checkpoint's own buffers."""
         tensors = [t for p in self.planes for t in p] + [self.scale_zero]
-        tensors += [t for ts in self.by_dtype.values() for t in ts]
         return sum(t.numel() * t.element_size() for t in tensors) + (0 if self.perm is None else self.perm.nbytes)
 
 
-def build(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, bits: int, group_size: int
-) -> FastWeight | None:
-    """The fast layout of ``bits``-bit codes [N, K], scales [G, N], zeros [N, G] (code units).
+def build(codes: torch.Tensor, layer: Mapping[str, Any], dtype: torch.dtype) -> FastWeight | None:
+    """The fast layout of codes [N, K] for ``layer`` (``scales`` [G, N], ``zeros`` [N, G] in code
+    units, ``g_idx``, ``bits``, ``group_size``), computing in ``dtype``.
 
     None when the shape or ``g_idx`` does not allow it (see the module's description).
     """
     n, k = codes.shape
+    bits, group_size = layer["bits"], layer["group_size"]
     kernel_group = supported(bits, k, n, group_size)
     if kernel_group is None:
         return None
-    g_idx = g_idx.to(torch.int32)
+    g_idx = layer["g_idx"].to(torch.int32)
     natural = group_index(k, group_size, g_idx.device)
     perm = None
     if not torch.equal(g_idx, natural):
@@ -102,46 +103,76 @@ def build(
         codes = codes[:, perm]
     # Kernel sub-group j covers sorted channels [j*kg, (j+1)*kg), all inside group j*kg // g.
     groups = natural[::kernel_group].long()
-    s = scales.float()[groups]  # [K/kg, N]
-    z = zeros.t().float()[groups]
+    s = layer["scales"].float()[groups]  # [K/kg, N]
+    z = layer["zeros"].t().float()[groups]
     codes = codes.to(torch.int32)
     mid = float(1 << (bits - 1))
-    scale_zero = torch.stack([s, s * (mid - z)], dim=-1).contiguous()
+
+    def sz(scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return torch.stack([scale, offset], dim=-1).to(dtype).contiguous()
+
+    scale_zero = sz(s, s * (mid - z))
     if bits <= 4:
         planes = [(_pack(codes + int(8 - mid)), scale_zero)]
     else:
-        high = (_pack(codes >> 4), torch.stack([16.0 * s, s * (136.0 - z)], dim=-1))
-        low = (_pack(codes & 15), torch.stack([s, torch.zeros_like(s)], dim=-1))
-        planes = [high, low]
-    return FastWeight(kernel_group, mid, planes, scale_zero, perm)
+        planes = [(_pack(codes >> 4), sz(16.0 * s, s * (136.0 - z))), (_pack(codes & 15), sz(s, torch.zeros_like(s)))]
+    return FastWeight(dtype, kernel_group, mid, planes, scale_zero, perm)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
-def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``x [M, K] @ W.T``, computed in ``dtype`` and returned in it (the caller casts back).
+_TABLES: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    ``dense``: None for the int4 kernel; for dequantize + matmul, the integer codes [K, N] in
-    natural channel order (the caller unpacks them from ``qweight``, see :data:`PREFILL_ROWS`).
+
+def _byte_table(bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8 // bits]: the codes minus the middle code that one packed byte holds, low first."""
+    table = _TABLES.get((bits, dtype))
+    if table is None:
+        byte = torch.arange(256).unsqueeze(1)
+        shifts = torch.arange(0, 8, bits)
+        table = _TABLES[(bits, dtype)] = (((byte >> shifts) & ((1 << bits) - 1)) - (1 << (bits - 1))).to(dtype)
+    return table
+
+
+def dequantize(fast: FastWeight, qweight: torch.Tensor, bits: int, codes: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The weight's transpose [K, N] in the fast dtype, in the kernels' (sorted) channel order.
+
+    ``qweight``: the checkpoint's packed int32 [K * bits / 32, N]; for 2, 4 and 8 bits in natural
+    order each of its bytes is looked up in a 256-entry table (one gather), then scaled with one
+    fused multiply-add per weight. ``codes``: returns the codes [N, K], for the other cases.
+    """
+    kg, dtype = fast.group, fast.dtype
+    s, m = (t.unsqueeze(1) for t in fast.scale_zero.unbind(-1))  # [K/kg, 1, N]
+    n = qweight.shape[1]
+    if 32 % bits == 0 and fast.perm is None:
+        words = qweight.shape[0]
+        values = _byte_table(bits, dtype)[qweight.view(torch.uint8).view(words, n, 4).long()]  # [W, N, 4, 8/b]
+        values = values.permute(0, 2, 3, 1).flatten(1, 2).unflatten(0, (-1, kg * bits // 32))  # [K/kg, .., 8*4/b, N]
+        out = torch.empty(values.shape, dtype=dtype)  # contiguous: [K, N] once flattened
+        return torch.addcmul(m.unsqueeze(1), values, s.unsqueeze(1), out=out).view(-1, n)
+    q = codes().t()
+    if fast.perm is not None:
+        q = q.index_select(0, fast.perm)
+    centred = (q - (1 << (bits - 1))).to(dtype).view(-1, kg, n)
+    return torch.addcmul(m, centred, s).view(-1, n)
+
+
+def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T``, computed and returned in the fast dtype (the caller casts back).
+
+    ``dense``: None for the int4 kernel; for dequantize + matmul, :func:`dequantize`'s result
+    (see :data:`PREFILL_ROWS`).
     """
     if fast.perm is not None:
         x = x.index_select(1, fast.perm)
-    x = x.to(dtype).contiguous()
-    sz = fast.by_dtype.get(dtype)
-    if sz is None:
-        sz = fast.by_dtype[dtype] = [p[1].to(dtype).contiguous() for p in fast.planes] + [fast.scale_zero.to(dtype)]
+    x = x.to(fast.dtype).contiguous()
     if dense is not None:
-        if fast.perm is not None:
-            dense = dense.index_select(0, fast.perm)
-        kg, (k, n) = fast.group, dense.shape
-        w = dense.to(dtype).view(k // kg, kg, n).sub_(fast.mid)
-        w = torch.addcmul(sz[-1][..., 1].unsqueeze(1), w, sz[-1][..., 0].unsqueeze(1))
-        return x @ w.view(k, n)
+        return x @ dense
     y = None
-    for (packed, _), s in zip(fast.planes, sz, strict=False):
-        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, s)
+    for packed, scale_zero in fast.planes:
+        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero)
         y = part if y is None else y.add_(part)
     assert y is not None
     return y

@@ -178,26 +178,23 @@ class QuantLinear(nn.Module):
         ):
             return None
         tensors = (self.qweight, self.qzeros, self.scales, self.g_idx)
-        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        key = (self.fast_dtype, *((t.data_ptr(), t._version) for t in tensors))
         cache = self._fast_cache
         if cache is None or cache["key"] != key:
-            fast = cpu_kernels.build(self.codes(), self.scales, self.zeros(), self.g_idx, self.bits, self.group_size)
-            cache = self._fast_cache = {"key": key, "fast": fast}
+            self._fast_cache = None  # the old layout's memory goes before the new one is built
+            layer = {"scales": self.scales, "zeros": self.zeros(), "g_idx": self.g_idx}
+            layer.update(bits=self.bits, group_size=self.group_size)
+            cache = self._fast_cache = {"key": key, "fast": cpu_kernels.build(self.codes(), layer, self.fast_dtype)}
         return cache["fast"]
 
-    def _dense_codes(self) -> torch.Tensor:
-        """Codes [K, N] in natural channel order, unpacked for one prefill call."""
-        per_word = 32 // self.bits
-        if 32 % self.bits:  # 3-bit values straddle words: the general unpacker
-            return self.codes().t()
-        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32).view(1, per_word, 1)
-        codes = (self.qweight.unsqueeze(1) >> shifts) & ((1 << self.bits) - 1)
-        return codes.view(-1, self.out_features)[: self.in_features]
+    def dense_weight(self, fast: FastWeight) -> torch.Tensor:
+        """The prefill path's weight: W.T [K, N] in ``fast_dtype``, built for one call."""
+        return cpu_kernels.dequantize(fast, self.qweight, self.bits, self.codes)
 
     def _forward_fast(self, x: torch.Tensor, fast: FastWeight) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        dense = self._dense_codes() if x2.shape[0] >= cpu_kernels.PREFILL_ROWS else None
-        y = cpu_kernels.matmul(fast, x2, dense, self.fast_dtype).to(x.dtype)
+        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS else None
+        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
