@@ -1,7 +1,8 @@
 """Serving speed and memory on CPU: fp32 against optq's 2-, 3-, 4- and 8-bit checkpoints.
 
 Each checkpoint is what `optq quantize MODEL --bits B` writes at the default settings (GPTQ, the
-engines' group sizes: 64 on SmolLM2), made once into ``--work`` and reused. Each measurement
+engines' group sizes: 64 on SmolLM2; ``--nsamples`` may cut the calibration, which changes the
+codes, not the layout or the speed), made once into ``--work`` and reused. Each measurement
 runs in its own child process (so its RSS is that variant's alone), the variants alternating,
 ``--repeats`` rounds; each number is the best of the rounds (highest speed, lowest memory):
 
@@ -11,10 +12,12 @@ runs in its own child process (so its RSS is that variant's alone), the variants
   its kernels' caches and the run's activations); tensors: the model's parameters and buffers
   plus the fast path's packed codes
 
-Also measured: optq's 4-bit checkpoint with the embedding table and head in bfloat16 and int8
-(``optq.load(embeddings=...)``), with their perplexity change (``--quality-windows`` enwiki
-windows of 512 tokens), and the same 4-bit checkpoint through transformers + GPTQModel 7.7's CPU
-kernel (bfloat16) where the tests' GPTQModel site is cached (``--gptqmodel``).
+optq's checkpoints load with the embedding table and head in bfloat16 (``optq.load``'s default);
+the 4-bit one is also measured with them in fp32 and int8 (``optq.load(embeddings=...)``), with
+the perplexity of each storage (``--quality-windows`` enwiki windows of 512 tokens), and through
+transformers + GPTQModel 7.7's CPU kernel (bfloat16) where the tests' GPTQModel site is cached
+(``--no-gptqmodel`` skips it). The libraries (torch, transformers, optq, the model's code) are
+imported before the baseline RSS: the model, not the runtime, is measured.
 
     python benchmarks/inference.py [--model smollm2-135m] [--bits 4,3,2,8] [--repeats 3]
 """
@@ -33,10 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _checkpoint(model: str, bits: int, work: Path) -> Path:
+def _checkpoint(model: str, bits: int, work: Path, extra: list[str]) -> Path:
     out = work / f"{model}-{bits}bit"
     if not (out / "config.json").exists():
-        cmd = [sys.executable, "-m", "optq", "quantize", model, "-o", str(out), "--bits", str(bits)]
+        cmd = [sys.executable, "-m", "optq", "quantize", model, "-o", str(out), "--bits", str(bits), *extra]
         print(f"making {out.name}: {' '.join(cmd[2:])}", flush=True)
         subprocess.run([*cmd, "--no-progress", "--overwrite"], check=True)
     return out
@@ -47,16 +50,21 @@ import json, sys, time, torch
 from optq.eval.speed import TokenClock, rss_mb
 spec = json.loads(sys.argv[1])
 torch.manual_seed(0)
+# the libraries are not the model: import them (and the model's code) before the baseline
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+import optq
+MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(spec["folder"]))]
 base = rss_mb()
 t0 = time.perf_counter()
 extra = 0
 if spec["kind"] == "gptqmodel":
-    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.bfloat16, device_map="cpu").eval()
 else:
     from optq.data.zoo import load_model
     from optq.formats.qlinear import QuantLinear
-    model, _ = load_model(spec["folder"], embeddings=spec["embeddings"])
+    model, _ = load_model(spec["folder"], embeddings=spec["embeddings"])  # builds the fast paths
     qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
     fast = sum(q.build_fast_path() for q in qs)
     assert fast == len(qs), f"{len(qs) - fast} layers off the fast path"
@@ -101,7 +109,7 @@ from optq.eval.perplexity import perplexity_detail
 folder, windows = sys.argv[1], int(sys.argv[2])
 out = {}
 for kind in ("model", "bfloat16", "int8"):
-    model, tok = load_model(folder, embeddings=kind)
+    model, tok = load_model(folder, embeddings=kind)  # fp32, optq.load's default, int8
     tokens = load_tokens("enwiki", tok, "eval")
     out[kind] = perplexity_detail(model, tokens, seqlen=512, windows=windows, progress=False).perplexity
 print(json.dumps(out))
@@ -120,6 +128,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m", help="built-in name or fp folder (default smollm2-135m)")
     ap.add_argument("--bits", default="4,3,2,8", help="checkpoint widths (default 4,3,2,8)")
     ap.add_argument("--work", type=Path, default=None, help="where checkpoints are made and kept")
+    ap.add_argument("--nsamples", type=int, default=None, help="calibration sequences of new checkpoints")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -134,14 +143,14 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     fp = str(resolve_model(args.model))
     bits = [int(b) for b in args.bits.split(",")]
-    folders = {b: str(_checkpoint(args.model, b, work)) for b in bits}
-    variants = [{"name": "fp32", "kind": "hf", "folder": fp, "embeddings": "model"}]
-    variants += [{"name": f"optq {b}-bit", "kind": "optq", "folder": folders[b], "embeddings": "model"} for b in bits]
-    if 4 in bits:
-        for kind in ("bfloat16", "int8"):
-            variants.append(
-                {"name": f"optq 4-bit, {kind} embed", "kind": "optq", "folder": folders[4], "embeddings": kind}
-            )
+    extra = [] if args.nsamples is None else ["--nsamples", str(args.nsamples)]
+    folders = {b: str(_checkpoint(args.model, b, work, extra)) for b in bits}
+    variants = [{"name": "fp32", "kind": "hf", "folder": fp, "embeddings": None}]
+    variants += [{"name": f"optq {b}-bit", "kind": "optq", "folder": folders[b], "embeddings": None} for b in bits]
+    if 4 in bits:  # the embedding storage optq.load does not choose by default (it stores bfloat16)
+        for kind in ("model", "int8"):
+            name = f"optq 4-bit, {'fp32' if kind == 'model' else kind} embed"
+            variants.append({"name": name, "kind": "optq", "folder": folders[4], "embeddings": kind})
     site = None if args.no_gptqmodel or 4 not in bits else _gptqmodel_site()
     if site is not None:
         variants.append({"name": "GPTQModel 4-bit (bf16)", "kind": "gptqmodel", "folder": folders[4], "embeddings": ""})
@@ -179,6 +188,9 @@ def main() -> int:
     )
     for name, b in best.items():
         b["disk_mb"] = sum(p.stat().st_size for p in Path(b["folder"]).glob("*.safetensors")) / 1e6
+        report = Path(b["folder"]) / "quantization_report.json"
+        if report.exists():  # how the checkpoint was calibrated
+            b["calibration_nsamples"] = json.loads(report.read_text()).get("options", {}).get("nsamples")
         if ref:
             b["rss_x"], b["prefill_x"] = b["rss_mb"] / ref["rss_mb"], b["prefill_tok_s"] / ref["prefill_tok_s"]
             b["decode_x"] = b["decode_tok_s"] / ref["decode_tok_s"]
@@ -188,7 +200,7 @@ def main() -> int:
     if quality and "error" not in quality:
         base = quality["model"]
         print(
-            f"\n4-bit perplexity on enwiki ({args.quality_windows} x 512 tokens), by embedding storage: "
+            f"\n4-bit perplexity on enwiki ({args.quality_windows} x 512 tokens) by embedding storage (model = fp32): "
             + ", ".join(f"{k} {v:.3f} ({100 * (v / base - 1):+.2f}%)" for k, v in quality.items())
         )
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--embeddings",
         choices=("model", "bfloat16", "int8"),
-        default="model",
-        help="store the embedding table and float head as the model's dtype (default), bfloat16 or int8",
+        default=None,
+        help="store the embedding table and float head in bfloat16 (default for checkpoints), int8, or the "
+        "model's dtype (default for float models)",
     )
     p.add_argument(
         "--reference",
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         what = f"{len(quantized)} quantized layers: {fast} on the fast CPU kernels, {len(quantized) - fast} exact"
     else:
         what = "no quantized layers"
-    print(f"\n{what}; embeddings: {args.embeddings}; load {load_s:.1f} s", file=sys.stderr)
+    storage = args.embeddings or ("bfloat16" if quantized else "model")
+    print(f"\n{what}; embeddings: {storage}; load {load_s:.1f} s", file=sys.stderr)
     print(clock.summary(ids.shape[1]), file=sys.stderr)
     grown, peak = rss_mb() - base, peak_rss_mb()
     print(f"memory: {grown:.0f} MB resident for the model and its run, peak RSS {peak:.0f} MB", file=sys.stderr)

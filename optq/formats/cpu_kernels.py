@@ -38,7 +38,17 @@ import torch
 
 from optq.core.grid import group_index
 
-__all__ = ["KERNEL_GROUPS", "PREFILL_ROWS", "FastWeight", "build", "dequantize", "matmul", "supported"]
+__all__ = [
+    "KERNEL_GROUPS",
+    "PREFILL_ROWS",
+    "FastWeight",
+    "build",
+    "dequantize",
+    "matmul",
+    "release_freed_memory",
+    "supported",
+    "unpack_codes",
+]
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 """Group sizes ``_weight_int4pack_mm_for_cpu`` accepts (largest first: fewer scales to read)."""
@@ -123,17 +133,44 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
-_TABLES: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+_TABLES: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
 
-def _byte_table(bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """[256, 8 // bits]: the codes minus the middle code that one packed byte holds, low first."""
-    table = _TABLES.get((bits, dtype))
+def _byte_table(bits: int, dtype: torch.dtype, minus: int) -> torch.Tensor:
+    """[256, 8 // bits]: the codes (minus ``minus``) that one packed byte holds, low first."""
+    table = _TABLES.get((bits, dtype, minus))
     if table is None:
         byte = torch.arange(256).unsqueeze(1)
         shifts = torch.arange(0, 8, bits)
-        table = _TABLES[(bits, dtype)] = (((byte >> shifts) & ((1 << bits) - 1)) - (1 << (bits - 1))).to(dtype)
+        table = _TABLES[(bits, dtype, minus)] = (((byte >> shifts) & ((1 << bits) - 1)) - minus).to(dtype)
     return table
+
+
+def _byte_values(qweight: torch.Tensor, bits: int, dtype: torch.dtype, minus: int) -> torch.Tensor:
+    """[W, 4, 8 // bits, N] (a view): the codes of ``qweight`` [W, N] minus ``minus``, by byte."""
+    words, n = qweight.shape
+    values = _byte_table(bits, dtype, minus)[qweight.view(torch.uint8).view(words, n, 4).long()]
+    return values.permute(0, 2, 3, 1)
+
+
+def unpack_codes(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """The codes [N, K] (int32, contiguous) of a GPTQ ``qweight`` [K * bits / 32, N]; for 2, 4 and
+    8 bits one table lookup per byte (the general unpacker takes a shift per value)."""
+    if 32 % bits:
+        raise ValueError(f"{bits}-bit values straddle words; use optq.formats.packing.unpack_qweight")
+    values = _byte_values(qweight, bits, torch.int32, 0).flatten(0, 2)[:in_features]  # [K, N]
+    return values.t().contiguous()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed by building fast paths back to the system (glibc's malloc_trim;
+    elsewhere nothing): the per-layer temporaries otherwise stay in this process's RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def dequantize(fast: FastWeight, qweight: torch.Tensor, bits: int, codes: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -147,9 +184,8 @@ def dequantize(fast: FastWeight, qweight: torch.Tensor, bits: int, codes: Callab
     s, m = (t.unsqueeze(1) for t in fast.scale_zero.unbind(-1))  # [K/kg, 1, N]
     n = qweight.shape[1]
     if 32 % bits == 0 and fast.perm is None:
-        words = qweight.shape[0]
-        values = _byte_table(bits, dtype)[qweight.view(torch.uint8).view(words, n, 4).long()]  # [W, N, 4, 8/b]
-        values = values.permute(0, 2, 3, 1).flatten(1, 2).unflatten(0, (-1, kg * bits // 32))  # [K/kg, .., 8*4/b, N]
+        values = _byte_values(qweight, bits, dtype, 1 << (bits - 1))  # [W, 4, 8/b, N]
+        values = values.flatten(1, 2).unflatten(0, (-1, kg * bits // 32))  # [K/kg, words per group, 32/b, N]
         out = torch.empty(values.shape, dtype=dtype)  # contiguous: [K, N] once flattened
         return torch.addcmul(m.unsqueeze(1), values, s.unsqueeze(1), out=out).view(-1, n)
     q = codes().t()

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from optq.core.config import QuantConfig
     from optq.core.solver import Solution
 
-__all__ = ["QuantLinear", "replace_linears"]
+__all__ = ["QuantLinear", "build_fast_paths", "replace_linears"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_TINY = 2.0**-24  # smallest positive float16; keeps recomputed codes finite
@@ -184,7 +184,9 @@ class QuantLinear(nn.Module):
             self._fast_cache = None  # the old layout's memory goes before the new one is built
             layer = {"scales": self.scales, "zeros": self.zeros(), "g_idx": self.g_idx}
             layer.update(bits=self.bits, group_size=self.group_size)
-            cache = self._fast_cache = {"key": key, "fast": cpu_kernels.build(self.codes(), layer, self.fast_dtype)}
+            codes = cpu_kernels.unpack_codes(self.qweight, self.bits, self.in_features) if 32 % self.bits == 0 else None
+            fast = cpu_kernels.build(self.codes() if codes is None else codes, layer, self.fast_dtype)
+            cache = self._fast_cache = {"key": key, "fast": fast}
         return cache["fast"]
 
     def dense_weight(self, fast: FastWeight) -> torch.Tensor:
@@ -205,6 +207,15 @@ class QuantLinear(nn.Module):
             f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}, "
             f"checkpoint_format={self.checkpoint_format!r}"
         )
+
+
+def build_fast_paths(model: nn.Module) -> tuple[int, int]:
+    """Build every CPU QuantLinear's fast path now (optq.load does), then hand the temporaries'
+    memory back; returns (layers on the fast path, quantized layers)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.qweight.device.type == "cpu"]
+    fast = sum(m.build_fast_path() for m in layers)
+    cpu_kernels.release_freed_memory()
+    return fast, len(layers)
 
 
 def replace_linears(model: nn.Module, solutions: Mapping[str, Solution], checkpoint_format: str = "gptq") -> nn.Module:

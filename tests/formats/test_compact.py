@@ -30,7 +30,9 @@ def _logits(model, ids):
 def test_compact_tables_match_the_float_model_to_their_precision(tmp_path, arch):
     folder = _saved(tmp_path, arch)
     ids = tiny.tokens(n=2, seqlen=12)
-    ref_model = optq.load(folder)
+    ref_model = optq.load(folder, embeddings="model")
+    assert isinstance(optq.load(folder).get_input_embeddings(), CompactEmbedding)  # bfloat16 by default
+    assert optq.load(folder).get_input_embeddings().weight.dtype == torch.bfloat16
     ref = _logits(ref_model, ids)
     embed_fp = ref_model.get_input_embeddings().weight.detach()
     tied = ref_model.get_output_embeddings().weight is ref_model.get_input_embeddings().weight

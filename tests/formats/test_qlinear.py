@@ -142,3 +142,29 @@ def test_replace_linears_llama_and_gpt2_conv1d() -> None:
         assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
     with pytest.raises(ValueError, match="shape"):
         replace_linears(nn.Sequential(nn.Linear(8, 4)), {"0": sols[next(iter(sols))]})
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_byte_table_unpacking_matches_the_general_unpacker(bits: int) -> None:
+    from optq.formats.cpu_kernels import unpack_codes
+    from optq.formats.packing import pack_qweight, unpack_qweight
+
+    codes = torch.randint(0, 1 << bits, (48, 96), generator=torch.Generator().manual_seed(bits))
+    qweight = pack_qweight(codes, bits)
+    assert torch.equal(unpack_codes(qweight, bits, 96), unpack_qweight(qweight, bits, 96))
+    assert torch.equal(unpack_codes(qweight, bits, 96), codes.to(torch.int32))
+    with pytest.raises(ValueError, match="straddle"):
+        unpack_codes(pack_qweight(codes % 8, 3), 3, 96)
+
+
+def test_build_fast_paths_builds_every_layer_and_counts_them() -> None:
+    from optq.formats.qlinear import build_fast_paths
+
+    model = nn.Sequential(
+        QuantLinear.from_solution(_solution(32, 128, bits=4, group_size=32)),
+        QuantLinear.from_solution(_solution(40, 128, bits=4, group_size=32)),  # 40 % 16: no kernel layout
+    )
+    assert all(m._fast_cache is None for m in model)
+    assert build_fast_paths(model) == (1, 2)
+    assert model[0]._fast_cache["fast"] is not None
+    assert model[1]._fast_cache is None or model[1]._fast_cache["fast"] is None
