@@ -12,7 +12,9 @@ A calibration source is a named corpus (``enwiki``, ``debref-de``, ``code``) or 
 written with ``+`` (``enwiki+debref-de+code``: equal shares of --nsamples,
 ``optq.data.tokens.mixed_calibration``). A candidate is a GPTQ variant in ``optq compare``'s
 grammar (``optq.eval.compare.VARIANT_HELP``): ``gptq`` (today's defaults), ``gptq+shrink0.5``
-(H shrunk halfway toward its diagonal), ``gptq+damp0.1``, ``gptq+mse``, ``gptq+shrink0.5+mse``.
+(H shrunk halfway toward its diagonal), ``gptq+damp0.1``, ``gptq+mse``, ``gptq+shrink0.5+mse``;
+and shift's own ``+lw``: each layer's shrink chosen from its calibration statistics
+(benchmarks/shift_rules.py), measured once per calibration and passed as per-layer overrides.
 
 Every run goes into benchmarks/results/shift.json (written atomically after each run): a run
 already there is not repeated, so a killed sweep resumes where it stopped and a longer list of
@@ -27,6 +29,7 @@ and docs/shift.md are redrawn from the JSON after every run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -124,9 +127,27 @@ def run_key(model: str, bits: int, calib: str, candidate: str, plan: Plan) -> st
 
 
 def _variant(spec: str, bits: int, plan: Plan) -> Any:
+    """``spec`` in optq compare's grammar, plus shift's own modifier ``+lw``: each layer's
+    diag_shrink chosen from its calibration statistics (benchmarks/shift_rules.py), which
+    :func:`run_one` fills in as per-layer overrides."""
     from optq.eval.compare import parse_variant
 
-    return parse_variant(spec, optq.QuantConfig(bits=bits, group_size=plan.group_size))
+    method, *mods = spec.split("+")
+    base = "+".join([method, *(m for m in mods if m != "lw")])
+    return parse_variant(base, optq.QuantConfig(bits=bits, group_size=plan.group_size))
+
+
+def layer_shrinks(results: Results, subject: Subject, calib: str, calibration: torch.Tensor, plan: Plan) -> dict:
+    """The ``+lw`` rule's diag_shrink per linear for this calibration (cached: it needs no bits)."""
+    from shift_rules import layer_shrinks as measure
+    from shift_rules import units_of
+
+    key = f"{subject.name}|{calib}|n{plan.nsamples}|L{plan.seqlen}|s{plan.seed}"
+    cache = results.data.setdefault("layer_shrinks", {})
+    if key not in cache:
+        cache[key] = measure(subject.model, units_of(calibration, len(calib.split("+"))))
+        results.save()
+    return cache[key]
 
 
 def _evaluate(subject: Subject, variant: Any, calibration: torch.Tensor | None, corpora: list[str]) -> Any:
@@ -181,7 +202,12 @@ def run_one(results: Results, subject: Subject, bits: int, calib: str, candidate
         raise SystemExit(f"candidate {candidate!r} is not a GPTQ variant; fp and RTN are the baselines")
     print(f"  run {key}", flush=True)
     t = time.perf_counter()
-    res = _evaluate(subject, variant, subject.calibrate(calib, plan.nsamples), list(subject.evaluation))
+    calibration = subject.calibrate(calib, plan.nsamples)
+    shrinks = layer_shrinks(results, subject, calib, calibration, plan) if "lw" in candidate.split("+") else {}
+    if shrinks:
+        overrides = tuple((name, {"diag_shrink": value}) for name, value in shrinks.items())
+        variant = dataclasses.replace(variant, overrides=overrides)
+    res = _evaluate(subject, variant, calibration, list(subject.evaluation))
     row = {
         "model": subject.name,
         "bits": bits,
@@ -197,6 +223,9 @@ def run_one(results: Results, subject: Subject, bits: int, calib: str, candidate
         "quantize_s": res.quantize_s,
         "seconds": time.perf_counter() - t,
     }
+    if shrinks:
+        values = sorted(shrinks.values())
+        row["layer_shrink"] = {"min": values[0], "median": values[len(values) // 2], "max": values[-1]}
     if res.report is not None and res.report.fallbacks:
         row["fallbacks"] = res.report.fallbacks
     results.data["runs"][key] = row

@@ -21,6 +21,7 @@ CANDIDATES = [
     "gptq+shrink0.5",
     "gptq+shrink0.25",
     "gptq+shrink0.75",
+    "gptq+lw",
     "gptq+damp0.05",
     "gptq+damp0.1",
     "gptq+mse",
@@ -258,6 +259,8 @@ calibration carries over to another (debref-zh-cn stays out). Candidates are `op
 variants: `gptq` is today's defaults (act-order with static groups, token-normalised Hessian,
 damp 0.01); `+shrinkS` shrinks H toward its diagonal, (1 - S) H + S diag(H); `+dampX` damps
 with X of the mean diagonal; `+mse` fits each group's range by least squared rounding error.
+`+lw` chooses each layer's shrink from its own calibration statistics (benchmarks/shift_rules.py):
+the Ledoit-Wolf intensity over the mixture's sources (over the windows for a single source).
 RTN (the denominator) is always plain min/max round-to-nearest at the same bits and group.
 
 "In-domain gain" is the mean over the bold cells of 1 - cell: the share of RTN's loss that GPTQ
