@@ -204,15 +204,16 @@ def draw(data: dict[str, Any], sec: dict[str, Any], folder: Path) -> str | None:
     cands = sec["candidates"]
     ncols = min(4, len(cands))
     nrows = math.ceil(len(cands) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 0.45 * len(sec["calibs"]) * nrows + 1.6 * nrows))
+    size = (4.2 * ncols + 1.0, 0.45 * len(sec["calibs"]) * nrows + 1.6 * nrows)
+    fig, axes = plt.subplots(nrows, ncols, figsize=size, layout="constrained")
     axes = [axes] if len(cands) == 1 else list(getattr(axes, "flat", axes))
     values = [v for c in cands for row in matrix(data, sec, c).values() for v in row.values() if v is not None]
     finite = [v for v in values if math.isfinite(v)]
-    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, max(finite, default=2.0)))
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(1.5, max(finite, default=1.5)))
     for ax, cand in zip(axes, cands):
         m = matrix(data, sec, cand)
         grid = [[math.nan if v is None else v for v in row.values()] for row in m.values()]
-        ax.imshow(grid, cmap="RdYlGn_r", norm=norm, aspect="auto")
+        image = ax.imshow(grid, cmap="RdYlGn_r", norm=norm, aspect="auto")
         for i, (calib, row) in enumerate(m.items()):
             for j, (corpus, v) in enumerate(row.items()):
                 if v is not None:
@@ -224,11 +225,11 @@ def draw(data: dict[str, Any], sec: dict[str, Any], folder: Path) -> str | None:
         ax.set_title(cand, fontsize=8)
     for ax in axes[len(cands) :]:
         ax.axis("off")
-    fig.suptitle(heading(sec) + "\ncell = (GPTQ − fp) / (RTN − fp); boxed: calibration text", fontsize=8)
-    fig.tight_layout()
+    fig.colorbar(image, ax=axes, shrink=0.8, label="(GPTQ − fp) / (RTN − fp)")
+    fig.suptitle(heading(sec).replace(": ", ":\n") + "; boxed: calibration text", fontsize=8)
     folder.mkdir(parents=True, exist_ok=True)
     name = figure_name(sec)
-    fig.savefig(folder / f"{name}.png", dpi=110, metadata={"Software": None})
+    fig.savefig(folder / f"{name}.png", dpi=110, metadata={"Software": None}, bbox_inches="tight")
     plt.close(fig)
     return f"lab/{name}.png"
 
