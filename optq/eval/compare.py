@@ -40,13 +40,14 @@ VARIANT_HELP = (
 class Variant:
     """One row of a comparison: a method, its settings and how activations propagate; ``serve``:
     the engines its layers must run on (``RunSettings.serve``: GPTQ and round-to-nearest both take
-    the group sizes they need)."""
+    the group sizes they need); ``overrides``: per-layer settings of GPTQ (``RunSettings.overrides``)."""
 
     name: str
     method: str  # "fp", "rtn" or "gptq"
     config: QuantConfig | None = None
     propagate: str = "quantized"
     serve: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 def parse_variant(spec: str, base: QuantConfig) -> Variant:
@@ -192,6 +193,7 @@ def compare(
                 batch_size=batch_size,
                 device=device,
                 serve=v.serve,
+                overrides=v.overrides,
             )
             res.quantize_s = time.perf_counter() - t
             res.totals = report.totals
