@@ -30,6 +30,7 @@ contiguous once sorted by ``g_idx`` (natural order and act-order with static gro
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -173,29 +174,71 @@ def release_freed_memory() -> None:
         pass
 
 
-def dequantize(fast: FastWeight, qweight: torch.Tensor, bits: int, codes: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The weight's transpose [K, N] in the fast dtype, in the kernels' (sorted) channel order.
+_SCRATCH = threading.local()
 
-    ``qweight``: the checkpoint's packed int32 [K * bits / 32, N]; for 2, 4 and 8 bits in natural
-    order each of its bytes is looked up in a 256-entry table (one gather), then scaled with one
-    fused multiply-add per weight. ``codes``: returns the codes [N, K], for the other cases.
+
+def _scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of this shape reused across calls on this thread: a fresh one per layer and
+    call costs page faults that took longer than the arithmetic (measured)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = buffers.get((shape, dtype))
+    if buf is None:
+        buf = buffers[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+    return buf
+
+
+def _centred_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """For 2, 4 and 8 bits: the codes minus the middle code, int8 [8/bits, 4, W, N], indexed
+    (position t in the byte, low first; byte j of the word; word i; output n): value
+    k = 32/bits * i + 8/bits * j + t. One contiguous write per position (a scratch buffer)."""
+    words, n = qweight.shape
+    per_byte = 8 // bits
+    by_byte = qweight.view(torch.uint8).view(words, n, 4).permute(2, 0, 1)  # [4, W, N], strided
+    codes = _scratch((per_byte, 4, words, n), torch.int8)
+    raw = codes.view(torch.uint8)
+    if bits == 8:
+        return torch.bitwise_xor(by_byte, 0x80, out=raw[0]).view(torch.int8).unsqueeze(0)  # q - 128
+    mask = (1 << bits) - 1
+    for t in range(per_byte):
+        if t == 0:
+            torch.bitwise_and(by_byte, mask, out=raw[0])
+        else:
+            torch.bitwise_right_shift(by_byte, t * bits, out=raw[t])
+            if (t + 1) * bits < 8:
+                raw[t].bitwise_and_(mask)
+    return codes.sub_(1 << (bits - 1))
+
+
+def dequantize(
+    fast: FastWeight, qweight: torch.Tensor, bits: int, codes: Callable[[], torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """The weight's transpose [K, N] in the fast dtype, and the values per byte when its rows
+    follow the packed bytes (then :func:`matmul` reorders x to match), else 0 (rows in the
+    kernels' channel order). Valid until the next call on this thread (a scratch buffer).
+
+    For 2, 4 and 8 bits in natural order the codes come out of ``qweight``'s bytes with one
+    mask or shift per value into rows ordered (position in byte, byte in word, word), so every
+    write is contiguous, and are scaled with one fused multiply-add per weight; x's columns are
+    reordered instead of the weight's rows. ``codes`` returns the codes [N, K] for the other
+    cases (3 bits, act-order).
     """
-    kg, dtype = fast.group, fast.dtype
-    s, m = (t.unsqueeze(1) for t in fast.scale_zero.unbind(-1))  # [K/kg, 1, N]
-    n = qweight.shape[1]
+    kg, dtype, n = fast.group, fast.dtype, qweight.shape[1]
+    s, m = (t.contiguous() for t in fast.scale_zero.unbind(-1))  # [K/kg, N]: small; strided, they slow the FMA
     if 32 % bits == 0 and fast.perm is None:
-        values = _byte_values(qweight, bits, dtype, 1 << (bits - 1))  # [W, 4, 8/b, N]
-        values = values.flatten(1, 2).unflatten(0, (-1, kg * bits // 32))  # [K/kg, words per group, 32/b, N]
-        out = torch.empty(values.shape, dtype=dtype)  # contiguous: [K, N] once flattened
-        return torch.addcmul(m.unsqueeze(1), values, s.unsqueeze(1), out=out).view(-1, n)
+        centred = _centred_codes(qweight, bits)
+        words_per_group = kg * bits // 32  # word i is in group i // words_per_group
+        grouped = centred.view(centred.shape[0], 4, -1, words_per_group, n)
+        out = _scratch(tuple(grouped.shape), dtype)
+        torch.addcmul(m.view(1, 1, -1, 1, n), grouped, s.view(1, 1, -1, 1, n), out=out)
+        return out.view(-1, n), centred.shape[0]
     q = codes().t()
     if fast.perm is not None:
         q = q.index_select(0, fast.perm)
     centred = (q - (1 << (bits - 1))).to(dtype).view(-1, kg, n)
-    return torch.addcmul(m, centred, s).view(-1, n)
+    return torch.addcmul(m.unsqueeze(1), centred, s.unsqueeze(1)).view(-1, n), 0
 
 
-def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(fast: FastWeight, x: torch.Tensor, dense: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T``, computed and returned in the fast dtype (the caller casts back).
 
     ``dense``: None for the int4 kernel; for dequantize + matmul, :func:`dequantize`'s result
@@ -205,7 +248,10 @@ def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None)
         x = x.index_select(1, fast.perm)
     x = x.to(fast.dtype).contiguous()
     if dense is not None:
-        return x @ dense
+        weight, per_byte = dense
+        if per_byte:  # the weight's rows go (position in byte, byte in word, word): so do x's columns
+            x = x.view(x.shape[0], -1, 4, per_byte).permute(0, 3, 2, 1).reshape(x.shape[0], -1)
+        return x @ weight
     y = None
     for packed, scale_zero in fast.planes:
         part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero)

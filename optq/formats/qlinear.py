@@ -189,8 +189,9 @@ class QuantLinear(nn.Module):
             cache = self._fast_cache = {"key": key, "fast": fast}
         return cache["fast"]
 
-    def dense_weight(self, fast: FastWeight) -> torch.Tensor:
-        """The prefill path's weight: W.T [K, N] in ``fast_dtype``, built for one call."""
+    def dense_weight(self, fast: FastWeight) -> tuple[torch.Tensor, int]:
+        """The prefill path's weight, W.T [K, N] in ``fast_dtype`` (rows possibly in the packed
+        bytes' order: see cpu_kernels.dequantize), built for one call."""
         return cpu_kernels.dequantize(fast, self.qweight, self.bits, self.codes)
 
     def _forward_fast(self, x: torch.Tensor, fast: FastWeight) -> torch.Tensor:
