@@ -3,7 +3,7 @@
 For SmolLM2-135M's layer shapes (576 -> 576, 576 -> 1536, 1536 -> 576) at 2, 4 and 8 bits,
 group 64: microseconds per call of PyTorch's int4 kernel (the decode path), of dequantize +
 bfloat16 matmul (the prefill path) and of float32 ``F.linear``, for 1 to 256 rows (tokens). The
-crossover justifies ``optq.formats.cpu_kernels.PREFILL_ROWS``. Median of ``--repeats`` timed
+crossover sets ``optq.formats.cpu_kernels.PREFILL_ROWS``. Median of ``--repeats`` timed
 loops, all variants interleaved in one process. Note: a layer's weights fit this CPU's caches,
 so fp32 looks better here than in a whole model, where it reads 4 bytes per weight from memory.
 

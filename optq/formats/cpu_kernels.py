@@ -4,22 +4,22 @@ Two kernels, both computing in bfloat16 (in torch 2.13 the only dtype whose CPU 
 these operations are vectorised: float32 and float16 inputs take scalar loops, about 100x
 slower, measured on this machine):
 
-- decode (few rows): PyTorch's packed int4 kernel ``_weight_int4pack_mm_for_cpu``, which
-  computes ``w = (c - 8) * S + M`` per group from 4-bit codes c. Our weight is
-  ``s * (q - z)``; with ``m = 2^(b-1)``, the middle code, a layer of b <= 4 bits is one *plane*
-  with ``c = q + 8 - m``, ``S = s``, ``M = s * (m - z)``. 2- and 3-bit codes fit the 4-bit range
-  exactly (centred on 8, so that ``(c - 8) * S`` and ``M`` stay as small as the weight and
-  bfloat16's rounding of them stays relative to it); the kernel's weight is then 4-bit in memory
-  (half a byte per weight, not 3/8 or 1/4). An 8-bit code q = 16 h + l is two planes, ``h``
-  with ``S = 16 s, M = s * (136 - z)`` and ``l`` with ``S = s, M = 0``; their sum is
-  ``16 s h + s l - s z = s * (q - z)``. It reads one byte per weight, as an int8 kernel would. (PyTorch's int8 kernel
-  ``_weight_int8pack_mm`` takes one scale per output channel only; our 8-bit layers have a
-  scale and zero point per group, which it cannot express without one call per group.)
-- prefill (many rows): the int4 kernel is slower than float32 matmul there (it is built for
-  matrix-vector products), so the weight is dequantized to bfloat16 from the packed codes
-  (``(q - 8) * S + M``, the same arithmetic) and multiplied with bfloat16 matmul, which uses
-  the CPU's bfloat16 units: ``(q - m) * s + s * (m - z)``. The dequantized weight lives only
-  for the call.
+- decode (fewer rows than :data:`PREFILL_ROWS`): PyTorch's packed int4 kernel
+  ``_weight_int4pack_mm_for_cpu``, which computes ``w = (c - 8) * S + M`` per group from 4-bit
+  codes c. Our weight is ``s * (q - z)``; with ``m = 2^(b-1)``, the middle code, a layer of
+  b <= 4 bits is one *plane* with ``c = q + 8 - m``, ``S = s``, ``M = s * (m - z)``. 2- and
+  3-bit codes fit the 4-bit range exactly (centred on 8, so that ``(c - 8) * S`` and ``M`` stay
+  as small as the weight and bfloat16's rounding of them stays relative to it); the kernel's
+  weight is then 4-bit in memory (half a byte per weight, not 3/8 or 1/4). An 8-bit code
+  q = 16 h + l is two planes, ``h`` with ``S = 16 s, M = s * (136 - z)`` and ``l`` with
+  ``S = s, M = 0``; their sum is ``16 s h + s l - s z = s * (q - z)``. It reads one byte per
+  weight, as an int8 kernel would. (PyTorch's int8 kernel ``_weight_int8pack_mm`` takes one
+  scale per output channel only; our 8-bit layers have a scale and zero point per group,
+  which it cannot express without one call per group.)
+- prefill (more rows): the int4 kernel is slower than float32 matmul there (it is built for
+  matrix-vector products), so the weight is dequantized to bfloat16 from the checkpoint's
+  packed codes, ``(q - m) * s + s * (m - z)``, and multiplied with bfloat16 matmul, which uses
+  the CPU's bfloat16 units. The dequantized weight lives in a scratch buffer for the call.
 
 Both agree with the exact float32 reference to bfloat16 precision: the activations and S, M
 are rounded to 8 significant bits (unit roundoff 2^-8 each), products accumulate in float32.
@@ -54,8 +54,10 @@ __all__ = [
 KERNEL_GROUPS = (256, 128, 64, 32)
 """Group sizes ``_weight_int4pack_mm_for_cpu`` accepts (largest first: fewer scales to read)."""
 
-PREFILL_ROWS = 16
-"""Rows (tokens) from which dequantize + bfloat16 matmul replaces the int4 kernel."""
+PREFILL_ROWS = {2: 80, 3: 80, 4: 80, 8: 40}
+"""Rows (tokens) per call from which dequantize + bfloat16 matmul replaces the int4 kernel, by
+bits: where the two cross on SmolLM2's layer shapes (benchmarks/kernels.py; an 8-bit layer takes
+two int4 calls, so it crosses earlier)."""
 
 
 def supported(bits: int, in_features: int, out_features: int, group_size: int) -> int | None:
@@ -155,8 +157,8 @@ def _byte_values(qweight: torch.Tensor, bits: int, dtype: torch.dtype, minus: in
 
 
 def unpack_codes(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """The codes [N, K] (int32, contiguous) of a GPTQ ``qweight`` [K * bits / 32, N]; for 2, 4 and
-    8 bits one table lookup per byte (the general unpacker takes a shift per value)."""
+    """The codes [N, K] (int32, contiguous) of a GPTQ ``qweight`` [K * bits / 32, N], for 2, 4
+    and 8 bits: one table lookup per byte (the general unpacker takes a shift per value)."""
     if 32 % bits:
         raise ValueError(f"{bits}-bit values straddle words; use optq.formats.packing.unpack_qweight")
     values = _byte_values(qweight, bits, torch.int32, 0).flatten(0, 2)[:in_features]  # [K, N]

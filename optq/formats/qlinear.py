@@ -196,7 +196,7 @@ class QuantLinear(nn.Module):
 
     def _forward_fast(self, x: torch.Tensor, fast: FastWeight) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS else None
+        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
         y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

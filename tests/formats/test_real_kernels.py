@@ -11,6 +11,7 @@ import torch
 from formats.bounds import bf16_bound
 
 import optq
+from optq.formats import cpu_kernels
 from optq.formats.qlinear import QuantLinear
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
@@ -39,7 +40,7 @@ def real_layers():
         return hook
 
     hooks = [m.register_forward_hook(keep(n)) for n, m in layers.items()]
-    text = "London is the capital of England. The city stands on the River Thames, which flows east to the sea."
+    text = " ".join(["London is the capital of England. The city stands on the River Thames, which flows east."] * 6)
     with torch.no_grad():
         model(tokenizer(text, return_tensors="pt").input_ids)
     for h in hooks:
@@ -54,6 +55,7 @@ def test_real_layers_on_the_fast_path_match_the_reference(real_layers, bits, sym
         sol = optq.rtn(weight, optq.QuantConfig(bits=bits, group_size=64, sym=sym))  # the codes' origin is moot
         q = QuantLinear.from_solution(sol, checkpoint_format="gptq_v2")  # v1 cannot store every zero point
         assert q.build_fast_path(), name
+        assert x.shape[0] >= cpu_kernels.PREFILL_ROWS[bits]
         for rows in (x[:1], x):  # one token: the int4 kernel; the whole text: dequantize + matmul
             ref = q.forward_reference(rows)
             fast = q(rows)
