@@ -136,8 +136,10 @@ def main() -> int:
     if "fp" not in runs:
         runs["fp"] = {"perplexity": ppl(model)}
         save()
-    for bits in [int(b) for b in args.bits.split(",")]:
-        for variant in args.variants.split(","):
+    # Variant by variant (both widths of one before the next): the comparisons that matter most
+    # are done first if a run is cut short.
+    for variant in args.variants.split(","):
+        for bits in [int(b) for b in args.bits.split(",")]:
             key = f"{variant}|{bits}"
             if key in runs:
                 continue

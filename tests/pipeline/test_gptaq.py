@@ -185,8 +185,17 @@ def test_expert_hessians_and_cross_terms_match_all_token_forwards(monkeypatch):
         close(C, C_ref, f"{name} C")
 
 
-def test_experts_of_the_models_own_code_are_refused():
-    from tiny_moe import quantize as quantize_moe
+def test_experts_of_the_models_own_code_are_refused_before_any_work():
+    from tiny_moe import build as build_moe
+    from tiny_moe import tokens as moe_tokens
 
-    with pytest.raises(ValueError, match="only routed tokens reach them"):
-        quantize_moe("custom", method="gptaq")
+    model = build_moe("custom")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="experts of model.layers.0.mlp.experts are the model's own code"):
+        optq.quantize(model, moe_tokens(n=4, seqlen=16), CFG, method="gptaq", progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # excluded, they are no obstacle
+    report = optq.quantize(
+        model, moe_tokens(n=4, seqlen=16), CFG, method="gptaq", progress=False, exclude="*.experts.*"
+    )
+    assert report.layers and not any(".experts." in n for n in report.layers)

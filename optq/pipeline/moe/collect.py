@@ -99,12 +99,7 @@ def collect_stage(work: BlockWork, memo: Memo, stage: Stage) -> Collected:
     width = in_features(work.linears[stage.subsets[0][0]])
     min_tokens = width if s.moe_min_tokens is None else s.moe_min_tokens
     ours = isinstance(stage.module, ExpertLinears)
-    if work.twin is not None and not ours:
-        raise ValueError(
-            f"{work.prefix}: method='gptaq' pairs each token's input to an expert in the float and the quantized "
-            f"model, which needs every token through every expert; the experts of {type(stage.module).__name__} "
-            "are the model's own code, which optq cannot run so (only routed tokens reach them): use method='gptq'"
-        )
+    assert work.twin is None or ours, "prepare refuses GPTAQ with experts optq cannot run on every token"
     per = hessian_bytes(width, work.run.config.normalize_tokens, s.hessian_itemsize, work.twin is not None)
     size = max(1, s.hessian_budget // per)
     collector = _Collector(work, memo, stage, Collected({}, {}))
