@@ -6,9 +6,10 @@ of 512 tokens (BOS first) of enwiki, debref-de, code and debref-ja. For each cor
 gives the perplexity and the ratio (method - fp) / (RTN - fp): below 1 the method beats
 round-to-nearest, 0 would be the float model. Variants: rtn, gptq, gptaq (the authors' α = 0.25),
 gptaq at α = 1 (the paper's closed form), and gptaq α = 1 from the least-squares optimum ("full",
-not the paper's). Wall time and the quantization's peak RSS (the kernel's high-water mark, reset
-before each run; the model copy and activations included) come from the same process, one run
-after another: on a shared machine compare them as ratios.
+not the paper's). Wall time, CPU time (this process's, all threads: less disturbed by other load
+than wall time) and the quantization's peak RSS (the kernel's high-water mark, reset before each
+run; above the RSS at its start) come from the same process, one run after another: on a shared
+machine compare them as ratios.
 
 Results go to benchmarks/results/gptaq.json; runs already there are not repeated (delete the
 file to start over).
@@ -82,16 +83,16 @@ def quantize(model: torch.nn.Module, variant: str, bits: int, calib: torch.Tenso
     q = copy.deepcopy(model)
     _reset_peak()
     before = _status_mb("VmRSS")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if variant == "rtn":
         round_to_nearest(q, config)
         totals: dict[str, Any] = {}
     else:
         report = optq.quantize(q, calib, config, progress=False, **VARIANTS[variant])
         totals = report.totals
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _status_mb("VmHWM")
-    cost = {"quantize_s": seconds, "rss_before_mb": before, "peak_rss_mb": peak}
+    cost = {"quantize_s": seconds, "quantize_cpu_s": cpu, "rss_before_mb": before, "peak_rss_mb": peak}
     cost["peak_over_start_mb"] = None if peak is None or before is None else peak - before
     cost["mean_objective_ratio"] = totals.get("mean_objective_ratio")
     return q, cost
@@ -159,7 +160,9 @@ def table(data: dict[str, Any]) -> str:
     lines = [
         f"SmolLM2-135M, group 128, calibrated on enwiki {data['settings']['nsamples']} x "
         f"{data['settings']['seqlen']}, {data['settings']['windows']} x 512-token windows per corpus",
-        f"{'variant':<20} {'bits':>4} " + " ".join(f"{c:>17}" for c in CORPORA) + f" {'time s':>8} {'peak MB':>8}",
+        f"{'variant':<20} {'bits':>4} "
+        + " ".join(f"{c:>17}" for c in CORPORA)
+        + f" {'wall s':>7} {'cpu s':>7} {'MB':>5}",
         f"{'fp':<20} {'':>4} " + " ".join(f"{fp[c]:>17.3f}" for c in CORPORA),
     ]
     for bits in sorted({r["bits"] for k, r in runs.items() if k != "fp"}, reverse=True):
@@ -172,12 +175,12 @@ def table(data: dict[str, Any]) -> str:
                 p = r["perplexity"][c]
                 ratio = (p - fp[c]) / (rtn["perplexity"][c] - fp[c]) if rtn else float("nan")
                 cells.append(f"{p:>9.3f} ({ratio:5.3f})")
-            peak = r.get("peak_over_start_mb")
+            peak, cpu = r.get("peak_over_start_mb"), r.get("quantize_cpu_s")
             lines.append(
-                f"{r['variant']:<20} {bits:>4} " + " ".join(cells) + f" {r['quantize_s']:>8.1f} "
-                f"{'n/a' if peak is None else f'{peak:.0f}':>8}"
+                f"{r['variant']:<20} {bits:>4} " + " ".join(cells) + f" {r['quantize_s']:>7.0f} "
+                f"{'n/a' if cpu is None else f'{cpu:.0f}':>7} {'n/a' if peak is None else f'{peak:.0f}':>5}"
             )
-    lines.append("(ratio) = (method - fp) / (RTN - fp); peak MB: the quantization's peak RSS above its start")
+    lines.append("(ratio) = (method - fp) / (RTN - fp); MB: the quantization's peak RSS above its start")
     return "\n".join(lines)
 
 

@@ -178,8 +178,10 @@ def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bo
             src, dst, _ids(), CFG, progress=False, batch_size=2, hessian_dtype="float64", resume=not kill,
             max_shard_size=20_000, method="gptaq",
         )  # fmt: skip
-    except BaseException as exc:  # noqa: BLE001
-        Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        Path(f"{out}/error{rank}.txt").write_text(traceback.format_exc())
     finally:
         leave()
 
@@ -198,17 +200,19 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
         tmp_path / "src", tmp_path / "one", _ids(), CFG, progress=False, batch_size=2, hessian_dtype="float64",
         max_shard_size=20_000, method="gptaq",
     )  # fmt: skip
-    out = tmp_path / "log"
-    out.mkdir()
-    args = (str(tmp_path / "src"), str(tmp_path / "two"), str(out))
+    # Each launch logs to its own folder: rank 1 of the killed launch may record its failed
+    # collective before the launcher stops it.
+    killed, resumed = tmp_path / "log-killed", tmp_path / "log-resumed"
+    killed.mkdir(), resumed.mkdir()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "two")
     with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with exit code 1"):
-        mp.spawn(_stream_worker, args=(str(tmp_path / "store1"), *args, True), nprocs=WORLD)
+        mp.spawn(_stream_worker, args=(str(tmp_path / "store1"), src, dst, str(killed), True), nprocs=WORLD)
     partial = tmp_path / "two.partial"
     for rank in range(WORLD):  # each rank journaled its own share of both chains
         acts = load_file(str(partial / f"activations-00001.rank{rank}.safetensors"))
         assert sorted(acts) == ["000000", "000001", "fp.000000", "fp.000001"]
-    mp.spawn(_stream_worker, args=(str(tmp_path / "store2"), *args, False), nprocs=WORLD)
-    assert not list(out.glob("error*.txt")), [e.read_text() for e in out.glob("error*.txt")]
+    mp.spawn(_stream_worker, args=(str(tmp_path / "store2"), src, dst, str(resumed), False), nprocs=WORLD)
+    assert not list(resumed.glob("error*.txt")), [e.read_text() for e in resumed.glob("error*.txt")]
 
     def tensors(folder):
         got = {}
