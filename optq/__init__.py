@@ -33,6 +33,7 @@ _EXPORTS = {
     "gptq": "core.solver",
     "rtn": "core.solver",
     "obq": "core.obq",
+    "gptaq": "core.gptaq",
     "objective": "core.solver",
     "FactorizationError": "core.factor",
     "pack": "formats.packing",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CliError, check_text_source
+from .methods import add_method_flags
 from .summary import summary
 
 __all__ = ["register", "run", "config_from_args", "settings_from_args"]
@@ -103,7 +104,7 @@ def register(subparsers: Any) -> None:
         default="quantized",
         help="next block's inputs from the quantized (default) or original model",
     )
-    c.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="default gptq")
+    add_method_flags(c)
     c.add_argument(
         "--strategy",
         choices=("pause", "replay"),

@@ -33,6 +33,7 @@ class Hessian:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         normalize_tokens: bool = True,
+        cross: bool = False,
     ) -> None:
         if not isinstance(in_features, int) or in_features < 1:
             raise ValueError(f"in_features must be a positive integer, got {in_features!r}")
@@ -42,13 +43,25 @@ class Hessian:
         self.dtype = dtype
         self.normalize_tokens = normalize_tokens
         self.sum = torch.zeros(in_features, in_features, dtype=dtype, device=device)
+        # GPTAQ's cross term: the sum of (x_fp - x) xᵀ over the same tokens, at the same scale.
+        self.cross_sum = torch.zeros_like(self.sum) if cross else None
         self.count = 0
 
-    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None, *, fp: torch.Tensor | None = None) -> None:
         """Add the tokens of ``x`` ([..., in_features]) to the sum.
 
         ``weight``: one non-negative weight per token (after normalisation, token t adds
-        ``weight[t] x_t x_tᵀ``), e.g. a mixture-of-experts routing weight; None weighs all alike."""
+        ``weight[t] x_t x_tᵀ``), e.g. a mixture-of-experts routing weight; None weighs all alike.
+        ``fp`` (an accumulator made with ``cross=True``): the same tokens' inputs in the float
+        model, x's shape; token t adds s_t² (fp_t - x_t) x_tᵀ to the cross sum, s_t² being what it
+        adds x_t x_tᵀ with (its normalisation and weight)."""
+        if (fp is not None) != (self.cross_sum is not None):
+            raise ValueError("fp= goes with an accumulator made with cross=True, and such one needs it")
+        if fp is not None and fp.shape != x.shape:
+            raise ValueError(
+                f"the float model's input {tuple(fp.shape)} does not pair with the quantized one {tuple(x.shape)}: "
+                "GPTAQ needs each token's input in both models"
+            )
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"input has {x.shape[-1]} features per token, this Hessian expects "
@@ -72,17 +85,27 @@ class Hessian:
                 f"calibration input contains {what}: a NaN/Inf weight upstream, a dtype that "
                 "overflows on this data (use float32) or bad inputs"
             )
+        scales = []  # what each token is multiplied by, applied to fp - x alike
         if self.normalize_tokens:
             # Every token at unit RMS: each weighs the same in the objective, instead of in
             # proportion to its squared norm (a few massive-activation tokens otherwise own H).
-            x = x * torch.where(norm > 0, self.in_features**0.5 / norm, torch.ones_like(norm))
+            scales.append(torch.where(norm > 0, self.in_features**0.5 / norm, torch.ones_like(norm)))
+            x = x * scales[-1]
         if weight is not None:
             weight = weight.reshape(-1).to(device=x.device, dtype=self.dtype)
             if weight.numel() != x.shape[0] or not bool((weight >= 0).all()):
                 raise ValueError(
                     f"weight must hold one non-negative value per token ({x.shape[0]}), got shape {tuple(weight.shape)}"
                 )
-            x = x * weight.sqrt()[:, None]
+            scales.append(weight.sqrt()[:, None])
+            x = x * scales[-1]
+        if fp is not None:
+            d = fp.reshape(raw.shape).to(device=raw.device, dtype=self.dtype) - raw
+            if not bool(torch.isfinite(d.sum(dim=0)).all()):
+                raise ValueError("the float model's calibration input contains NaN/Inf values (or values too large)")
+            for scale in scales:
+                d = d * scale
+            self.cross_sum.addmm_(d.T, x)
         self.sum.addmm_(x.T, x)  # in place: no K x K temporary
         self.count += x.shape[0]
 
@@ -92,7 +115,11 @@ class Hessian:
             raise ValueError("can only merge a Hessian of the same in_features")
         if other.normalize_tokens != self.normalize_tokens:
             raise ValueError("cannot merge Hessians with different normalize_tokens settings")
+        if (other.cross_sum is None) != (self.cross_sum is None):
+            raise ValueError("cannot merge an accumulator with a cross term (cross=True) and one without")
         self.sum += other.sum.to(device=self.sum.device, dtype=self.dtype)
+        if self.cross_sum is not None:
+            self.cross_sum += other.cross_sum.to(device=self.sum.device, dtype=self.dtype)
         self.count += other.count
         return self
 
@@ -101,6 +128,14 @@ class Hessian:
         if self.count == 0:
             return torch.zeros_like(self.sum)
         return self.sum * (2.0 / self.count)
+
+    def cross_matrix(self) -> torch.Tensor:
+        """GPTAQ's cross term 2 (X_fp - X) Xᵀ / count, at the scale of ``matrix()`` (``cross=True``)."""
+        if self.cross_sum is None:
+            raise ValueError("this accumulator has no cross term: make it with cross=True and give fp= to update")
+        if self.count == 0:
+            return torch.zeros_like(self.cross_sum)
+        return self.cross_sum * (2.0 / self.count)
 
     def __repr__(self) -> str:
         return (

@@ -188,13 +188,14 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     error-updated weights (or, with ``static_groups``, up front from W in natural order).
     """
     _check(W, H, config)
-    rows, cols = W.shape
-    dtype = _work_dtype(W)
-    device = W.device
-    maxq = config.maxq
-    gs = grid.group_width(cols, config.group_size)
-    n_groups = math.ceil(cols / gs)
+    return sweep(W, factored(W, H, config), config, W.dtype)
 
+
+def factored(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, ...]:
+    """What the column sweep needs of H: (the caller's H on W's device, the column order perm,
+    U in that order, the damping fraction used, the diagonal added to H), after ``diag_shrink``
+    and damping (escalated as ``inverse_factor`` does)."""
+    cols, device = W.shape[1], W.device
     H = H_caller = H.to(device)
     if config.diag_shrink:  # toward the diagonal: (1 - s) H + s diag(H)
         H = H * (1.0 - config.diag_shrink)
@@ -203,7 +204,22 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
         perm = torch.argsort(H.diagonal(), descending=True, stable=True)
     else:
         perm = torch.arange(cols, device=device)
-    U, damp_used, added = inverse_factor(H, config.damp, config.damp_max, perm if config.act_order else None, dtype)
+    order = perm if config.act_order else None
+    U, damp_used, added = inverse_factor(H, config.damp, config.damp_max, order, _work_dtype(W))
+    return H_caller, perm, U, damp_used, added
+
+
+def sweep(W: torch.Tensor, factors: tuple[torch.Tensor, ...], config: QuantConfig, dtype: torch.dtype) -> Solution:
+    """GPTQ's column sweep of W [rows, cols] with ``factors`` (see ``factored``): the Solution,
+    its weight in ``dtype``, its loss ½ tr((W - Ŵ) H (W - Ŵ)ᵀ) on the caller's H."""
+    H_caller, perm, U, damp_used, added = factors
+    del factors
+    rows, cols = W.shape
+    out_dtype, dtype = dtype, _work_dtype(W)
+    device = W.device
+    maxq = config.maxq
+    gs = grid.group_width(cols, config.group_size)
+    n_groups = math.ceil(cols / gs)
 
     # Work transposed ([cols, rows], contiguous): a column of W is then one contiguous vector,
     # so the per-column rounding and rank-one updates stream through memory.
@@ -279,7 +295,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
         weight = Wt.T.contiguous()  # exactly scale * (code - zero), as computed in the loop
     del Wt
     sol = Solution(
-        weight=weight.to(W.dtype),
+        weight=weight.to(out_dtype),
         codes=codes.T.contiguous(),
         scales=scales.T.contiguous(),
         zeros=zeros.T.to(torch.int32).contiguous(),

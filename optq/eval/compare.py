@@ -28,11 +28,12 @@ __all__ = ["Variant", "parse_variant", "compare", "VARIANT_HELP"]
 log = logging.getLogger("optq.compare")
 
 VARIANT_HELP = (
-    "fp | rtn | gptq, each optionally followed by +modifiers: +plain (textbook GPTQ: no act-order, "
+    "fp | rtn | gptq | gptaq, each optionally followed by +modifiers: +plain (textbook GPTQ: no act-order, "
     "no token normalisation), +no_act_order, +no_norm, +act_order (dynamic groups), "
     "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
-    "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward its diagonal); e.g. gptq+plain, rtn+mse, "
-    "gptq+g64, gptq+shrink0.5"
+    "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward its diagonal); gptaq also +alpha<A> "
+    "(the correction's scale) and +full (from the least-squares optimum); e.g. gptq+plain, rtn+mse, "
+    "gptq+g64, gptq+shrink0.5, gptaq+alpha1"
 )
 
 
@@ -40,29 +41,36 @@ VARIANT_HELP = (
 class Variant:
     """One row of a comparison: a method, its settings and how activations propagate; ``serve``:
     the engines its layers must run on (``RunSettings.serve``: GPTQ and round-to-nearest both take
-    the group sizes they need); ``overrides``: per-layer settings of GPTQ (``RunSettings.overrides``)."""
+    the group sizes they need); ``overrides``: per-layer settings of GPTQ (``RunSettings.overrides``);
+    ``settings``: other RunSettings fields (GPTAQ's)."""
 
     name: str
-    method: str  # "fp", "rtn" or "gptq"
+    method: str  # "fp", "rtn", "gptq" or "gptaq"
     config: QuantConfig | None = None
     propagate: str = "quantized"
     serve: tuple[str, ...] = ()
     overrides: tuple[tuple[str, dict[str, Any]], ...] = ()
+    settings: tuple[tuple[str, Any], ...] = ()
 
 
 def parse_variant(spec: str, base: QuantConfig) -> Variant:
     """Parse ``gptq+act_order+mse`` style names against ``base`` settings."""
     method, *mods = spec.strip().split("+")
-    if method not in ("fp", "rtn", "gptq"):
+    if method not in ("fp", "rtn", "gptq", "gptaq"):
         raise ValueError(f"unknown variant {spec!r}: {VARIANT_HELP}")
     if method == "fp":
         if mods:
             raise ValueError(f"variant 'fp' takes no modifiers, got {spec!r}")
         return Variant(name="fp", method="fp")
     changes: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     propagate = "quantized"
     for mod in mods:
-        if mod == "act_order":
+        if method == "gptaq" and mod.startswith("alpha") and _is_number(mod.removeprefix("alpha")):
+            settings["gptaq_alpha"] = float(mod.removeprefix("alpha"))
+        elif method == "gptaq" and mod == "full":
+            settings["gptaq_form"] = "full"
+        elif mod == "act_order":
             changes.update(act_order=True, static_groups=False)
         elif mod == "no_act_order":
             changes.update(act_order=False, static_groups=False)
@@ -91,7 +99,15 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
         or any(m.startswith("shrink") for m in mods)
     ):
         raise ValueError(f"{spec!r}: act-order, propagation modes and H shrinking apply to gptq only")
-    return Variant(name=spec.strip(), method=method, config=dataclasses.replace(base, **changes), propagate=propagate)
+    if method == "gptaq" and propagate == "original":
+        raise ValueError(f"{spec!r}: gptaq fits the quantized model's inputs to the float model's: not with +original")
+    return Variant(
+        name=spec.strip(),
+        method=method,
+        config=dataclasses.replace(base, **changes),
+        propagate=propagate,
+        settings=tuple(settings.items()),
+    )
 
 
 def _is_number(text: str) -> bool:
@@ -138,6 +154,7 @@ class VariantResult:
             "method": v.method,
             "propagate": v.propagate if v.method != "fp" else None,
             "config": v.config.to_dict() if v.config else None,
+            "settings": dict(v.settings),
             "perplexity": self.perplexity,
             "detail": self.detail,
             "quantize_s": self.quantize_s,
@@ -194,6 +211,7 @@ def compare(
                 device=device,
                 serve=v.serve,
                 overrides=v.overrides,
+                **dict(v.settings),
             )
             res.quantize_s = time.perf_counter() - t
             res.totals = report.totals

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from optq.core.gptaq import DEFAULT_ALPHA
 from optq.formats.engines import parse_engines
 from optq.formats.files import parse_size
 from optq.formats.layout import CHECKPOINT_FORMATS
@@ -33,6 +34,7 @@ from optq.pipeline.schemes import parse_overrides
 __all__ = [
     "RunSettings",
     "METHODS",
+    "GPTAQ_FORMS",
     "PROPAGATE",
     "STRATEGIES",
     "MOE_CALIBRATION",
@@ -44,7 +46,8 @@ __all__ = [
     "dtype_name",
 ]
 
-METHODS = ("gptq", "rtn")
+METHODS = ("gptq", "gptaq", "rtn")
+GPTAQ_FORMS = ("paper", "full")
 PROPAGATE = ("quantized", "original")
 STRATEGIES = ("pause", "replay")
 MOE_CALIBRATION = ("routed", "all")
@@ -101,6 +104,28 @@ def _target_bits(s: RunSettings) -> None:
         )
 
 
+def _gptaq(s: RunSettings) -> None:
+    a = s.gptaq_alpha
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a < float("inf"):
+        raise ValueError(f"gptaq_alpha={a!r} is out of range: give a finite number >= 0 (0: GPTQ, 1: the closed form)")
+    object.__setattr__(s, "gptaq_alpha", float(a))
+    _choice("gptaq_form", s.gptaq_form, GPTAQ_FORMS)
+    if s.method != "gptaq":
+        return
+    if s.propagate == "original":
+        raise ValueError(
+            "method='gptaq' fits each layer on the quantized model's inputs against the float model's; with "
+            "propagate='original' both are the float model's and GPTAQ is GPTQ: use propagate='quantized' "
+            "(--propagate quantized) or method='gptq'"
+        )
+    if s.moe_calibration == "routed":
+        raise ValueError(
+            "method='gptaq' pairs each token's input to a layer in the float and the quantized model; with "
+            "moe_calibration='routed' an expert's tokens are those its router chose, which differ between the "
+            "two models: use moe_calibration='all' (--moe-calibration all) or method='gptq'"
+        )
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {allowed}")
@@ -125,7 +150,14 @@ class RunSettings:
         batch_size: windows per block forward (the weights depend on it only through float
             summation order).
     What and how:
-        method: "gptq", or "rtn" (round-to-nearest; the report still measures it on H).
+        method: "gptq", "gptaq" or "rtn" (round-to-nearest; the report still measures it on H).
+            "gptaq" (``optq.core.gptaq``) fits each layer to the float model's outputs: it runs
+            a float copy of each block beside the quantized one on the float model's own
+            activations (a second copy of the activations, one more block in memory, about one
+            more block forward per group), not with propagate="original" nor routed experts.
+        gptaq_alpha: the scale of GPTAQ's correction (0: GPTQ; 1: the paper's closed form;
+            0.25: the authors' code). gptaq_form: "paper" (each input channel's shift absorbed by
+            the later columns as it is rounded) or "full" (start from the least-squares optimum).
         propagate: "quantized" (each block calibrates on the quantized blocks' outputs) or
             "original" (on the unquantized model's; one more forward per block).
         strategy: "replay" (re-run the block per group; least memory) or "pause" (pause every
@@ -171,6 +203,8 @@ class RunSettings:
     seed: int = 0
     batch_size: int = 8
     method: str = "gptq"
+    gptaq_alpha: float = DEFAULT_ALPHA
+    gptaq_form: str = "paper"
     propagate: str = "quantized"
     strategy: str = "replay"
     include: tuple[str, ...] | None = None
@@ -233,6 +267,7 @@ class RunSettings:
             put("max_hessian_memory", parse_size(self.max_hessian_memory, "max_hessian_memory"))
         _choice("format", self.format, FORMATS)
         _target_bits(self)
+        _gptaq(self)
         parse_size(self.max_shard_size, "max_shard_size")
 
     @classmethod

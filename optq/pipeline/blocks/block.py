@@ -10,7 +10,9 @@ forward uses them), then takes one of two paths:
 - paused (``strategy="pause"``): every batch's forward pauses at each group's input while the
   group is solved, then resumes (:func:`_paused`).
 
-The block's outputs then replace its inputs.
+The block's outputs then replace its inputs. With method="gptaq" a float copy of the block runs
+beside it on the float chain (``fp_hidden``), pairing every Hessian input with the float model's
+(``optq.pipeline.blocks.twin``); its outputs replace the float chain.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from optq.pipeline.blocks import capture, memory
 from optq.pipeline.blocks.memo import Memo
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.blocks.stepper import PausedForwards
+from optq.pipeline.blocks.twin import FloatTwin, pairing
 from optq.pipeline.blocks.work import BlockWork, SolveUnit, naming_inputs
 from optq.pipeline.distributed.ranks import Dist
 from optq.pipeline.moe import block as moe_block
@@ -46,15 +49,21 @@ def quantize_block(
     inputs: tuple[list[torch.Tensor], list[capture.Call]],
     report: Report,
     bar: object,
+    fp_hidden: list[torch.Tensor] | None = None,
 ) -> None:
     """Quantize one block's targets; ``inputs`` (its hidden states and call arguments per batch):
-    the hidden states are replaced by the block's outputs."""
+    the hidden states are replaced by the block's outputs. ``fp_hidden`` (method="gptaq"): the
+    float chain's hidden states, replaced by the float block's outputs."""
     hidden, calls = inputs
     linears = find_linears(block, prefix)
     mine = [n for n in linears if n in run.targets]
     release = memory.releaser(run.device)
+    gptaq = run.settings.method == "gptaq"
+    if gptaq and fp_hidden is None:
+        raise ValueError("method='gptaq' needs the float chain's hidden states (fp_hidden)")
     if not mine:
-        _forward_in_place(block, hidden, calls, release)
+        for chain in (hidden, fp_hidden) if gptaq else (hidden,):
+            _forward_in_place(block, chain, calls, release)
         return
     work = BlockWork(run, prefix, block, linears, mine, hidden, calls, report, bar, release)
     original = None
@@ -66,6 +75,8 @@ def quantize_block(
     schedule = capture.discover_subsets(block, linears, mine, hidden, calls, known=known)
     if run.dist.active:  # every rank must run the same groups, whatever its own batches reached
         schedule = _merge_schedules(run.dist, schedule)
+    if gptaq:  # before any weight of the block changes
+        work.twin = FloatTwin(block, prefix, (schedule.order, mine), fp_hidden, calls)
     stages = plan_stages(block, prefix, schedule, set(mine))
     never = [n for n in schedule.unused if expert_parts(n) is None]
     for name in never:
@@ -78,6 +89,8 @@ def quantize_block(
         if experts
         else "several processes"
         if run.dist.active
+        else "gptaq pairs every batch with the float block's"
+        if gptaq
         else ", ".join(schedule.repeated) + " called more than once per forward"
         if schedule.repeated
         else None
@@ -109,6 +122,8 @@ def _replayed(
         else:
             k += moe_block.quantize_stage(work, memo, stage, k, tally)
         memo.solved([n for s in stage.subsets for n in s])
+        if work.twin is not None:
+            work.twin.solved([n for s in stage.subsets for n in s])
     if starved:  # experts of a model's own ModuleList that no batch ever called
         k += moe_block.round_starved(work, starved, k)
     if tally.stages or starved:
@@ -119,15 +134,25 @@ def _replayed(
     else:
         with memo.replay_pass(last=True) as at_batch:
             _forward_in_place(work.block, work.hidden, work.calls, work.release, at_batch)
+    if work.twin is not None:
+        work.twin.propagate(_keep)
+        work.release()
 
 
 def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset: list[str], k: int) -> None:
     """One group of a dense block: replay the block up to it, fill its Hessian, solve it."""
     t0 = time.perf_counter()
     hess = work.new_hessian(subset)
-    with work.run.dist.failing_together(), naming_inputs(work.prefix, subset), memo.replay_pass() as at_batch:
+    per_forward = schedule.order.count(subset[0])
+    with (
+        work.run.dist.failing_together(),
+        naming_inputs(work.prefix, subset),
+        memo.replay_pass() as at_batch,
+        pairing(work.twin, {subset[0]: hess}, at_batch, per_forward) as (hooked, before),
+    ):
+        hess_in = hooked[subset[0]]
         capture.collect_hessian(
-            work.block, work.linears, subset, schedule.order, work.hidden, work.calls, hess, before_batch=at_batch
+            work.block, work.linears, subset, schedule.order, work.hidden, work.calls, hess_in, before_batch=before
         )
     hess.all_reduce(work.run.dist)
     work.release()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from optq.core import solver
+from optq.core import gptaq, solver
 from optq.formats.linears import get_weight, set_weight
 from optq.pipeline.report import LayerReport
 
@@ -157,8 +157,16 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
     # Rows of layers sharing an input share H, and GPTQ treats rows independently: one stacked
     # solve equals separate solves, with one factorisation instead of several.
     W = torch.cat(weights, dim=0)  # a copy: the modules are overwritten below
+    W_ref = W  # what the objectives measure Ŵ against: for GPTAQ, its least-squares floor W*
     try:
-        sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
+        if method == "gptaq":
+            s = work.run.settings
+            C = hess.cross_matrix()
+            sol = gptaq.gptaq(W, H, C, config, alpha=s.gptaq_alpha, full=s.gptaq_form == "full")
+            W_ref = gptaq.floor_weight(W, H, C, config)
+            del C
+        else:
+            sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
     except solver.FactorizationError as exc:
         names = ", ".join(subset)
         raise solver.FactorizationError(
@@ -172,10 +180,11 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
             report.fallbacks[name] = f"damping raised from {config.damp:g} to {sol.damp:g} to factorise H"
     seconds = time.perf_counter() - unit.started
     # Round-to-nearest is row-wise too: one call on the stacked rows serves every member.
-    rtn_W = solver.rtn(W, config).weight if method == "gptq" else sol.weight
-    objs = _row_objectives(W, sol.weight, H)
-    rtn_objs = objs if method == "rtn" else _row_objectives(W, rtn_W, H)
-    energy = _row_objectives(W, None, H)
+    rtn_W = solver.rtn(W, config).weight if method != "rtn" else sol.weight
+    objs = _row_objectives(W_ref, sol.weight, H)
+    rtn_objs = objs if method == "rtn" else _row_objectives(W_ref, rtn_W, H)
+    energy = _row_objectives(W_ref, None, H)
+    del W_ref
     H_plain = hess.plain_matrix()
     if H_plain is None:  # tokens not normalised: the objective is the output error
         outs, rtn_outs = objs, rtn_objs
@@ -192,7 +201,7 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
             float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs)
         )
         row += n
-        if method == "gptq":
+        if method != "rtn":
             part.loss = obj
         report.layers[name] = LayerReport(
             name=name,

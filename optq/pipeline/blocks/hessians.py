@@ -38,7 +38,8 @@ def _coprime_stride(target: int, length: int) -> int:
 class LayerHessians:
     """``update(x)`` feeds the solver's Hessian (``matrix()``, ``count``) with every token and,
     when it normalises tokens, a plain Hessian (``plain_matrix()``, ``plain_count``) with a
-    systematic sample of them. Without normalisation the two are the same matrix."""
+    systematic sample of them. Without normalisation the two are the same matrix. With ``cross``
+    (GPTAQ), ``update(x, fp=x_fp)`` also sums the cross term (``cross_matrix()``) from every token."""
 
     def __init__(
         self,
@@ -48,8 +49,9 @@ class LayerHessians:
         normalize_tokens: bool = True,
         sample_every: int | None = None,
         dtype: torch.dtype = torch.float32,
+        cross: bool = False,
     ) -> None:
-        self.main = Hessian(in_features, device=device, normalize_tokens=normalize_tokens, dtype=dtype)
+        self.main = Hessian(in_features, device=device, normalize_tokens=normalize_tokens, dtype=dtype, cross=cross)
         self.plain = (
             Hessian(in_features, device=device, normalize_tokens=False, dtype=dtype) if normalize_tokens else None
         )
@@ -72,13 +74,13 @@ class LayerHessians:
         """Tokens in the plain Hessian."""
         return self.main.count if self.plain is None else self.plain.count
 
-    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+    def update(self, x: torch.Tensor, weight: torch.Tensor | None = None, fp: torch.Tensor | None = None) -> None:
         """Add the tokens of ``x`` ([..., in_features]; ``[batch, length, features]`` for windows).
 
         ``weight`` (one per token) weighs the solver's Hessian only; the plain one measures the
-        layer's own output error."""
+        layer's own output error. ``fp``: the same tokens' inputs in the float model (``cross``)."""
         seen = self.main.count
-        self.main.update(x, weight)  # checks the shape and that every value is finite
+        self.main.update(x, weight, fp=fp)  # checks the shapes and that every value is finite
         # A reduction, no copy of x: |x_t| in float32, then squared.
         energy = torch.linalg.vector_norm(x.detach().reshape(-1, x.shape[-1]), dim=1, dtype=torch.float32).pow_(2)
         self._energy.append(energy.cpu())
@@ -108,7 +110,8 @@ class LayerHessians:
             return
         parts = [self.main] + ([self.plain] if self.plain is not None else [])
         counts = torch.tensor([h.count for h in parts], dtype=torch.int64, device=self.main.sum.device)
-        dist.all_reduce_([*(h.sum for h in parts), counts])
+        cross = [] if self.main.cross_sum is None else [self.main.cross_sum]  # GPTAQ's, summed like H
+        dist.all_reduce_([*(h.sum for h in parts), *cross, counts])
         for h, c in zip(parts, counts.tolist()):
             h.count = int(c)
         # The token statistics keep one value per token: every rank gets all of them, in rank order.
@@ -122,6 +125,10 @@ class LayerHessians:
     def matrix(self) -> torch.Tensor:
         """The solver's Hessian."""
         return self.main.matrix()
+
+    def cross_matrix(self) -> torch.Tensor:
+        """GPTAQ's cross term 2 (X_fp - X) Xᵀ / n, at the solver's Hessian's scale."""
+        return self.main.cross_matrix()
 
     def plain_matrix(self) -> torch.Tensor | None:
         """2 X Xᵀ / n of the sampled raw tokens; None without normalisation (then it is ``matrix()``)."""

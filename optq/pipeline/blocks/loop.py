@@ -70,8 +70,11 @@ class BlockSink(Protocol):
     def pack(self, i: int, block: nn.Module, report: Report) -> None:
         """Block ``i`` is quantized and still on the compute device."""
 
-    def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
-        """Block ``i`` is released; ``hidden`` holds the next block's inputs."""
+    def commit(
+        self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report, fp_hidden: list | None = None
+    ) -> None:
+        """Block ``i`` is released; ``hidden`` holds the next block's inputs (``fp_hidden``, with
+        method="gptaq", the float model's)."""
 
     def rollback(self, i: int, block: nn.Module, report: Report) -> None:
         """Quantizing block ``i`` failed (still on the compute device): undo what it changed."""
@@ -130,7 +133,11 @@ def quantize(
                 from optq.pipeline.allocation.allocate import apply, plan
 
                 apply(run, plan(run, model, memory, (hidden, calls)), report)
-            run_blocks(run, memory, memory, (hidden, calls), report, progress=progress and run.dist.rank == 0)
+            # GPTAQ: the float chain starts where the quantized one does (embeddings stay float).
+            fp = [h.clone() for h in hidden] if s.method == "gptaq" else None
+            run_blocks(
+                run, memory, memory, (hidden, calls), report, progress=progress and run.dist.rank == 0, fp_hidden=fp
+            )
     except ValueError as exc:
         # Found inside the loop (non-finite activations, a Hessian that cannot be factorised):
         # every finished block was written back, the failing one was restored; say what state
@@ -172,11 +179,13 @@ def run_blocks(
     *,
     start: int = 0,
     progress: bool = True,
+    fp_hidden: list[torch.Tensor] | None = None,
 ) -> None:
     """The block loop, the one every run goes through: for each block from ``start``, load it
     (seam 1), quantize it (``quantize_block``; seam 2 inside), hand it to the sink, release it,
     commit. ``activations``: the first block's inputs (replaced by each block's outputs in
-    turn) and every block's captured call arguments."""
+    turn) and every block's captured call arguments; ``fp_hidden`` (method="gptaq"): the float
+    model's inputs of block ``start`` (replaced by the float blocks' outputs)."""
     from tqdm.auto import tqdm
 
     hidden, calls = activations
@@ -187,7 +196,7 @@ def run_blocks(
             block = run.blocks[i]
             source.load(i, block)
             try:
-                quantize_block(run, run.block_name(i), block, (hidden, calls[i]), report, bar)
+                quantize_block(run, run.block_name(i), block, (hidden, calls[i]), report, bar, fp_hidden)
             except BaseException:
                 # A block is written back whole or not at all: a failure in its fifth layer
                 # leaves none of its layers quantized.
@@ -197,7 +206,7 @@ def run_blocks(
             source.release(i, block)
             report.block_seconds.append(time.perf_counter() - t0)
             log.debug("block %d done in %.2f s", i, report.block_seconds[-1])
-            sink.commit(i, block, hidden, report)
+            sink.commit(i, block, hidden, report, fp_hidden)
             bar.update(1)
     finally:
         bar.close()
@@ -233,7 +242,9 @@ class InMemory:
     def pack(self, i: int, block: nn.Module, report: Report) -> None:
         pass  # the weights are written back in place as each group is solved
 
-    def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
+    def commit(
+        self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report, fp_hidden: list | None = None
+    ) -> None:
         self.backup = {}
         # Solutions live beside the model, not on the compute device, and their dequantized
         # weight is the module's own weight tensor (a view): no second copy of the model is kept.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.formats.experts import is_router, unfuse_experts
+from optq.formats.experts import ExpertLinears, is_router, unfuse_experts
 from optq.formats.linears import find_linears, get_weight, is_linear
 from optq.pipeline.blocks.calibration import calibration_samples, make_batches, max_positions
 from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
@@ -94,6 +94,8 @@ def prepare(
         skipped[name] = "router: kept in float (name it in include to quantize it)"
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
+    if settings.method == "gptaq":
+        _check_gptaq_experts(model, targets)
     schemes = resolve(
         linears,
         sorted(targets),
@@ -154,6 +156,21 @@ def prepare(
 
     run.calibration_digest = tensor_digest(list(samples))
     return run
+
+
+def _check_gptaq_experts(model: nn.Module, targets: set[str]) -> None:
+    """GPTAQ pairs each token's input in the float and the quantized model: experts must run every
+    token (ExpertLinears, which optq runs itself), not only the tokens their router picks."""
+    from optq.pipeline.moe.stages import expert_parts
+
+    owners = {p[0] for n in targets if (p := expert_parts(n)) is not None}
+    own = sorted(o for o in owners if not isinstance(model.get_submodule(o), ExpertLinears))
+    if own:
+        raise ValueError(
+            f"method='gptaq' pairs each token's input to an expert in the float and the quantized model, which "
+            f"needs every token through every expert; the experts of {own[0]} are the model's own code, which "
+            "optq cannot run so (only routed tokens reach them): use method='gptq', or exclude them"
+        )
 
 
 def _float_parameters(blocks_name: str, blocks: nn.ModuleList, skipped: dict[str, str]) -> None:

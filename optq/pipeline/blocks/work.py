@@ -43,7 +43,8 @@ class SolveUnit:
 class BlockWork:
     """One block being quantized. ``hidden``/``calls``: its inputs per batch (replaced by its
     outputs at the end); ``mine``: its linears to quantize; ``release``: hands freed memory back
-    to the system between passes; ``bar``: the progress bar (its postfix shows the last layer)."""
+    to the system between passes; ``bar``: the progress bar (its postfix shows the last layer);
+    ``twin``: with method="gptaq", the block's float copy on the float chain (``blocks.twin``)."""
 
     run: Run
     prefix: str
@@ -55,6 +56,7 @@ class BlockWork:
     report: Report
     bar: Any
     release: Callable[[], None]
+    twin: Any = None
 
     def new_hessian(self, subset: Sequence[str]) -> LayerHessians:
         """An empty Hessian for the input of ``subset``, in the run's Hessian dtype."""
@@ -64,6 +66,7 @@ class BlockWork:
             device=first.weight.device,
             normalize_tokens=self.run.config.normalize_tokens,
             dtype=self.run.settings.hessian_torch_dtype,
+            cross=self.twin is not None,
         )
 
     def solve(self, first: int, units: Sequence[SolveUnit]) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from optq.formats.experts import ExpertLinears
 from optq.pipeline.blocks.hessians import LayerHessians
 from optq.pipeline.blocks.memo import Memo
+from optq.pipeline.blocks.twin import pairing
 from optq.pipeline.blocks.work import BlockWork, in_features
 from optq.pipeline.moe.stages import Stage, hessian_bytes
 
@@ -98,7 +99,8 @@ def collect_stage(work: BlockWork, memo: Memo, stage: Stage) -> Collected:
     width = in_features(work.linears[stage.subsets[0][0]])
     min_tokens = width if s.moe_min_tokens is None else s.moe_min_tokens
     ours = isinstance(stage.module, ExpertLinears)
-    per = hessian_bytes(width, work.run.config.normalize_tokens, s.hessian_itemsize)
+    assert work.twin is None or ours, "prepare refuses GPTAQ with experts optq cannot run on every token"
+    per = hessian_bytes(width, work.run.config.normalize_tokens, s.hessian_itemsize, work.twin is not None)
     size = max(1, s.hessian_budget // per)
     collector = _Collector(work, memo, stage, Collected({}, {}))
     out = collector.out
@@ -173,11 +175,24 @@ class _Collector:
 
             return pre
 
-        handles = [work.linears[rep].register_forward_pre_hook(hook(hess)) for rep, hess in hooked.items()]
+        twin = work.twin
+        # GPTAQ: the float copy's experts run every token too, so each expert's inputs pair.
+        twin_context = (
+            (lambda: calibrating(twin.module(stage.module, work.block), everyone, Routing()))
+            if twin is not None
+            else contextlib.nullcontext
+        )
         calibration = calibrating(stage.module, everyone, routing) if ours else contextlib.nullcontext()
+        handles = []
         try:
-            with work.run.dist.failing_together(), calibration, self.memo.replay_pass() as at_batch:
-                work.run_pass(at_batch)
+            with (
+                work.run.dist.failing_together(),
+                calibration,
+                self.memo.replay_pass() as at_batch,
+                pairing(twin, hooked, at_batch, context=twin_context) as (paired, before),
+            ):
+                handles = [work.linears[rep].register_forward_pre_hook(hook(hess)) for rep, hess in paired.items()]
+                work.run_pass(before)
                 out.forwards += 1
         finally:
             for h in handles:

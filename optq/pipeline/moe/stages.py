@@ -120,6 +120,7 @@ def plan_stages(block: nn.Module, prefix: str, schedule: capture.Schedule, targe
     return stages
 
 
-def hessian_bytes(in_features: int, normalize_tokens: bool, itemsize: int = 4) -> int:
-    """Memory of one group's Hessians (the solver's, and the plain one when tokens are normalised)."""
-    return in_features * in_features * itemsize * (2 if normalize_tokens else 1)
+def hessian_bytes(in_features: int, normalize_tokens: bool, itemsize: int = 4, cross: bool = False) -> int:
+    """Memory of one group's Hessians (the solver's, the plain one when tokens are normalised,
+    and GPTAQ's cross term with ``cross``)."""
+    return in_features * in_features * itemsize * ((2 if normalize_tokens else 1) + cross)

@@ -20,6 +20,7 @@ smaller than the group the pipeline discovers, so the solve terms are upper boun
                + activations              T x h x c  (each batch's inputs replaced by its outputs)
                + recorded outputs         T x h x c  strategy "replay" (the attention's, replayed)
                + original outputs         T x h x c  propagate "original"
+               + float chain and twin     2 T x h x c + one block, method "gptaq" (every pass twice)
                + paused forwards          T x (i + 2h) x c  strategy "pause"
                + batch temporaries        b x (3i + 3h) x 4
                + hessians + solve workspace   at the group with the largest sum:
@@ -125,7 +126,8 @@ def plan(
     for i, blk in enumerate(blocks):
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
-    passes = (2 if s.strategy == "replay" else 1) + (1 if s.propagate == "original" else 0)
+    gptaq = s.method == "gptaq"  # a float copy of each block runs every pass on the float chain too
+    passes = ((2 if s.strategy == "replay" else 1) + (1 if s.propagate == "original" else 0)) * (1 + gptaq)
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
@@ -150,6 +152,7 @@ def plan(
         "activations": act,
         "recorded outputs (replay)": act if s.strategy == "replay" else 0,
         "original outputs": act if s.propagate == "original" else 0,
+        "float chain, its recorded outputs and block (gptaq)": 2 * act + one_block if gptaq else 0,
         "paused forwards": T * (inter + 2 * h) * c if s.strategy == "pause" else 0,
         "batch temporaries": temps,
         "hessians": tally.peak[0],
@@ -175,14 +178,14 @@ def plan(
         "output tensors": tensor_bytes,
         "output headers, config, report, copied files": headers + small,
         "journal: packed blocks": block_files,
-        "journal: activations (2 files while replaced)": 2 * act,
+        "journal: activations (2 files while replaced)": 2 * act * (1 + gptaq),
     }
     assembly = {"runtime": RUNTIME_BYTES, "largest output tensor (mapped + copied)": 2 * max(sizes.values(), default=0)}
 
     sp = speed or machine_speed()
     seconds = {
         "forwards": passes * (tally.flops + attn_flops) / sp["flops"],
-        "hessians": tally.hess_flops / sp["flops"],
+        "hessians": tally.hess_flops * (1 + gptaq) / sp["flops"],
         "solves": tally.solve_units * sp["solve_unit"],
         "assembly": (tensor_bytes + headers) / 0.5e9,
     }
@@ -285,7 +288,7 @@ class _Tally:
             # Measured on this machine for optq.gptq: the factor, its inverse and the working
             # copies of the stacked rows, in float32.
             solve = (5 * R * K + 4 * K * K) * 4
-            held = hessian_bytes(K, self.schemes.base.normalize_tokens, s.hessian_itemsize)  # solver's and plain
+            held = hessian_bytes(K, self.schemes.base.normalize_tokens, s.hessian_itemsize, s.method == "gptaq")
             parts = expert_parts(mine[0])
             if parts is not None:
                 # An expert stage holds all its experts' Hessians while they are solved, up to
@@ -298,7 +301,7 @@ class _Tally:
             else:
                 self._keep_peak(held, solve)
                 self.hess_flops += 2 * T * K * K
-            self.solve_units += K**3 + R * K * K if s.method == "gptq" else 0
+            self.solve_units += K**3 + R * K * K if s.method != "rtn" else 0
         for key, held in stage_hessians.items():
             self._keep_peak(min(held, s.hessian_budget), stage_solve[key])
         params = sum(p.numel() for p in blk.parameters())

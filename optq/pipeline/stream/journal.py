@@ -8,7 +8,8 @@ Layout of ``OUT.partial/`` while a run is going on::
                              the sha256 of every block and activations file and of every source
                              tensor read, and a checksum over all of it
     blocks/00000.safetensors the packed tensors of each finished block
-    activations-00007.safetensors   the hidden states entering the next block (block 7 here)
+    activations-00007.safetensors   the hidden states entering the next block (block 7 here);
+                             with method="gptaq" also the float model's ("fp." keys)
 
 Every file is written to a temporary name and renamed, and ``state.json`` is renamed last, so a
 run killed at any moment leaves a journal whose state names only complete files: ``--resume``
@@ -48,6 +49,7 @@ BLOCKS = "blocks"
 FINAL = "final"  # the checkpoint being assembled, renamed to OUT when complete
 OFFLOAD = "activations.mmap"  # --offload-activations: the live activations, memory-mapped
 CHECKSUM = "checksum"  # state.json's field: sha256 of the rest of it, as _json writes it
+FP = "fp."  # the float chain's keys in an activations file (GPTAQ)
 
 
 class JournalError(ValueError):
@@ -255,18 +257,20 @@ class Journal:
         """This rank's activations file entering block ``done``."""
         return f"activations-{done:05d}" + (f".rank{self.dist.rank}" if self.dist.active else "") + ".safetensors"
 
-    def commit(
-        self, done: int, hidden: Sequence[torch.Tensor] | None, report: dict[str, Any], sources: dict[str, str]
-    ) -> None:
-        """Record ``done`` blocks finished, with the activations entering the next block and the
-        sha256 of every source tensor read so far (``sources``: key -> digest)."""
+    def commit(self, done: int, chains: tuple | None, report: dict[str, Any], sources: dict[str, str]) -> None:
+        """Record ``done`` blocks finished, with the activations entering the next block
+        (``chains`` = (hidden, fp_hidden): the quantized chain's, and the float chain's or None)
+        and the sha256 of every source tensor read so far (``sources``: key -> digest)."""
         acts, sums = None, None
         # Every rank's activations are on disk before the state says so.
         with self.dist.failing_together():
-            if hidden is not None:
+            if chains is not None:
+                hidden, fp = chains
                 acts = self.activations_name(done)
-                self._save(self.folder / acts, {f"{b:06d}": h for b, h in enumerate(hidden)})
-        if hidden is not None:  # the same on every rank (only the last block has none)
+                tensors = {f"{b:06d}": h for b, h in enumerate(hidden)}
+                tensors.update({f"{FP}{b:06d}": h for b, h in enumerate(fp or ())})
+                self._save(self.folder / acts, tensors)
+        if chains is not None:  # the same on every rank (only the last block has none)
             sums = self.dist.all_gather(self.written.pop(acts, None))  # each rank checks its own on resume
         old = self.state.get("activations")
         blocks = {**self.state.get("blocks", {}), **self.written}  # rank 0's block files since the last commit
@@ -286,8 +290,9 @@ class Journal:
         if old and old != acts:
             (self.folder / old).unlink(missing_ok=True)
 
-    def activations(self) -> list[torch.Tensor]:
-        """The hidden states saved with the last commit (one tensor per batch)."""
+    def activations(self, fp: bool = False) -> list[torch.Tensor]:
+        """The hidden states saved with the last commit (one tensor per batch); ``fp``: the float
+        chain's (method="gptaq")."""
         name = self.state.get("activations")
         if name and self.dist.active:  # the state names rank 0's file; each rank reads its own
             name = self.activations_name(int(self.state["done"]))
@@ -299,14 +304,18 @@ class Journal:
             raise JournalError(
                 f"cannot read {self.folder / name} ({exc}); rerun with --overwrite (or delete {self.folder})"
             ) from None
-        return [loaded[k] for k in sorted(loaded)]
+        keys = sorted(k for k in loaded if k.startswith(FP) == fp)
+        if fp and not keys:
+            raise JournalError(f"{self.folder / name} holds no float-model activations to resume GPTAQ from")
+        return [loaded[k] for k in keys]
 
-    def offload(self, hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def offload(self, hidden: Sequence[torch.Tensor], chain: str = "") -> list[torch.Tensor]:
         """The same tensors, backed by a memory-mapped file in the journal folder instead of RAM.
 
         Writes into them (each block's outputs replace its inputs) go to the page cache and on
         to disk, which the kernel may evict under memory pressure: activations larger than the
-        memory then fit, at the cost of disk traffic.
+        memory then fit, at the cost of disk traffic. ``chain``: a suffix of the file's name (the
+        float chain's is "fp").
         """
         total = sum(h.numel() for h in hidden)
         if not hidden or total == 0:
@@ -314,7 +323,8 @@ class Journal:
         dtype = hidden[0].dtype
         if any(h.dtype != dtype or h.device.type != "cpu" for h in hidden):
             raise JournalError("offloaded activations must be CPU tensors of one dtype")
-        path = self.folder / (f"{OFFLOAD}.rank{self.dist.rank}" if self.dist.active else OFFLOAD)
+        name = OFFLOAD + (f".{chain}" if chain else "")
+        path = self.folder / (f"{name}.rank{self.dist.rank}" if self.dist.active else name)
         path.unlink(missing_ok=True)
         with self.writing(path):
             flat = torch.from_file(str(path), shared=True, size=total, dtype=dtype)

@@ -208,8 +208,14 @@ def _quantize_blocks(
             blocks.resident.clear()
             hidden.clear()  # the journal's activations replace the captured ones
             hidden = [h.to(device) for h in journal.activations()]
+        # GPTAQ: the float chain starts where the quantized one does (embeddings stay float), or
+        # where the journal left it.
+        fp = None
+        if run.settings.method == "gptaq":
+            fp = [h.to(device) for h in journal.activations(fp=True)] if journal.done else [h.clone() for h in hidden]
         if run.settings.offload_activations:
             hidden = journal.offload(hidden)
+            fp = None if fp is None else journal.offload(fp, "fp")
         run_blocks(
             run,
             blocks,
@@ -218,8 +224,9 @@ def _quantize_blocks(
             report,
             start=journal.done,
             progress=progress and run.dist.rank == 0,
+            fp_hidden=fp,
         )
-        del hidden, calls
+        del hidden, calls, fp
         src.release(root)
 
 

@@ -76,14 +76,17 @@ class JournalSink:
         # Nothing of block i has reached the journal: its packed tensors are dropped with the run.
         self.packed = {}
 
-    def commit(self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report) -> None:
+    def commit(
+        self, i: int, block: nn.Module, hidden: list[torch.Tensor], report: Report, fp_hidden: list | None = None
+    ) -> None:
         self.journal.write_block(i, self.packed)
         self.packed = {}
         last = i + 1 == len(self.run.blocks)
         snap = {**snapshot(report), "natural": self.natural}
         # The source tensors read so far, hashed as they were read: a resume or the assembly
         # proves with them that the source still holds what these blocks were computed from.
-        self.journal.commit(i + 1, None if last else hidden, snap, dict(self.src.digests))
+        chains = None if last else (hidden, fp_hidden)  # GPTAQ: the float chain's too, for an exact resume
+        self.journal.commit(i + 1, chains, snap, dict(self.src.digests))
 
 
 def snapshot(report: Report) -> dict[str, Any]:
