@@ -69,7 +69,9 @@ def test_fast_and_exact_paths_generate_the_same_text(smol_checkpoint):
 
     tokenizer = AutoTokenizer.from_pretrained(smol_checkpoint)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    model = optq.load(smol_checkpoint)
+    # the kernels against the exact path: both with the float32 table and head (with optq.load's
+    # bfloat16 embeddings on top, this prompt's 10th token went the other way: a near tie)
+    model = optq.load(smol_checkpoint, embeddings="model")
     qlinears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert all(q.build_fast_path() for q in qlinears)
 

@@ -112,7 +112,7 @@ def optq_run(smol_checkpoint, smol_tokens):
     """optq.load's model: greedy generation on the fast path, then the fast and the reference
     path's logits on the generated sequence."""
     _, prompt = smol_tokens
-    model = optq.load(smol_checkpoint)
+    model = optq.load(smol_checkpoint, embeddings="model")  # float32 table and head: the reference is exact
     qlinears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     with torch.no_grad():
         sequence = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
