@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import platform
 import sys
@@ -35,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import optq  # noqa: E402
+from optq.core.memory import release_host_memory  # noqa: E402
+from optq.eval.speed import reset_peak, status_mb  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "gptaq.json"
 MODEL = "smollm2-135m"
@@ -49,30 +50,9 @@ VARIANTS = {
 }
 
 
-def _status_mb(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def _reset_peak() -> None:
-    gc.collect()
-    try:
-        from optq.pipeline.blocks.memory import release_host_memory
-
-        release_host_memory()
-    except ImportError:
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # the high-water mark restarts at the current RSS
-    except OSError:
-        pass
+    release_host_memory()  # collects garbage, trims the heap
+    reset_peak()  # the high-water mark restarts at the current RSS
 
 
 def quantize(model: torch.nn.Module, variant: str, bits: int, calib: torch.Tensor) -> tuple[Any, dict[str, Any]]:
@@ -82,7 +62,7 @@ def quantize(model: torch.nn.Module, variant: str, bits: int, calib: torch.Tenso
     config = optq.QuantConfig(bits=bits, group_size=128)
     q = copy.deepcopy(model)
     _reset_peak()
-    before = _status_mb("VmRSS")
+    before = status_mb("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
     if variant == "rtn":
         round_to_nearest(q, config)
@@ -91,7 +71,7 @@ def quantize(model: torch.nn.Module, variant: str, bits: int, calib: torch.Tenso
         report = optq.quantize(q, calib, config, progress=False, **VARIANTS[variant])
         totals = report.totals
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = _status_mb("VmHWM")
+    peak = status_mb("VmHWM")
     cost = {"quantize_s": seconds, "quantize_cpu_s": cpu, "rss_before_mb": before, "peak_rss_mb": peak}
     cost["peak_over_start_mb"] = None if peak is None or before is None else peak - before
     cost["mean_objective_ratio"] = totals.get("mean_objective_ratio")

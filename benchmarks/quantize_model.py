@@ -24,7 +24,6 @@ import hashlib
 import importlib
 import json
 import platform
-import resource
 import sys
 import time
 from pathlib import Path
@@ -35,47 +34,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import optq  # noqa: E402
+from optq.eval.speed import peak_rss_mb, reset_peak, status_mb  # noqa: E402
 
 CALIB_CHARS = 2_000_000
 importlib.import_module("transformers")  # up front: part of the runtime baseline
 
 
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _status_mb(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def rss_mb() -> float | None:
     """Current resident set size (Linux /proc), else None."""
-    return _status_mb("VmRSS")
-
-
-def reset_peak() -> bool:
-    """Restart the kernel's peak-RSS counter (VmHWM) at the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
+    return status_mb("VmRSS")
 
 
 def trim_heap() -> None:
     """Return the heap's free pages so the next phase starts from what is alive."""
     import gc
 
-    from optq.pipeline.blocks.memory import releaser
+    from optq.core.memory import releaser
 
     gc.collect()
     releaser("cpu")()
@@ -152,7 +126,7 @@ def run_once(args: argparse.Namespace) -> dict:
         progress=not args.no_progress,
     )
     quant_s = time.perf_counter() - t1
-    quantize_peak_mb = _status_mb("VmHWM") if quantize_peak else None
+    quantize_peak_mb = status_mb("VmHWM") if quantize_peak else None
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = memory_terms(model, report, args)
     t = report.totals

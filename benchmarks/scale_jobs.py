@@ -51,7 +51,7 @@ def worker(job: dict) -> dict:
 
     runtime = _status("VmRSS")
     calib = _calibration(job)
-    from optq.pipeline.blocks.memory import release_host_memory
+    from optq.core.memory import release_host_memory
 
     release_host_memory()  # the tokenizer and tokenising's heap, as `optq quantize` frees them
     config = optq.QuantConfig(**job.get("config", {}))

@@ -141,9 +141,9 @@ def _token_sets(folder: Path, hf_config: Any, corpus_names: list[str], args: arg
     what tokenising them left on the heap are freed before any model is loaded."""
     from transformers import AutoTokenizer
 
+    from optq.core.memory import release_host_memory
     from optq.data import tokens as data
     from optq.data import zoo
-    from optq.pipeline.blocks.memory import release_host_memory
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     bos = zoo.eval_bos_id(MODEL, tokenizer, hf_config)

@@ -344,8 +344,8 @@ def run(args: argparse.Namespace) -> int:
     for source in split_sources(args.calib):
         check_text_source(source)
 
+    from optq.core.memory import releaser
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
-    from optq.pipeline.blocks.memory import releaser
     from optq.pipeline.distributed.ranks import init_from_env
     from optq.pipeline.stream.quantize import quantize_pretrained
 

@@ -185,8 +185,8 @@ def compare(
         on_result: called with (result, quantized model) after each variant, e.g. to print a
             row as soon as it is known or to save the model.
     """
+    from optq.core.memory import release_host_memory
     from optq.pipeline.blocks.loop import quantize  # the pipeline pulls in transformers-aware code
-    from optq.pipeline.blocks.memory import release_host_memory
 
     results = []
     for v in variants:

@@ -17,24 +17,42 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TokenClock", "rss_mb", "peak_rss_mb"]
+__all__ = ["TokenClock", "peak_rss_mb", "reset_peak", "rss_mb", "status_mb"]
+
+
+def status_mb(field: str) -> float | None:
+    """A size field of /proc/self/status (``VmRSS``: resident now; ``VmHWM``: its high-water
+    mark) in MB, or None where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def rss_mb() -> float:
     """This process's resident memory now, in MB (NaN where /proc is missing)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    now = status_mb("VmRSS")
+    return float("nan") if now is None else now
 
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def reset_peak() -> bool:
+    """Restart the kernel's peak counter (VmHWM) at the current RSS (Linux >= 4.0); False where
+    it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class TokenClock:

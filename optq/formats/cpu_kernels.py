@@ -39,17 +39,7 @@ import torch
 
 from optq.core.grid import group_index
 
-__all__ = [
-    "KERNEL_GROUPS",
-    "PREFILL_ROWS",
-    "FastWeight",
-    "build",
-    "dequantize",
-    "matmul",
-    "release_freed_memory",
-    "supported",
-    "unpack_codes",
-]
+__all__ = ["KERNEL_GROUPS", "PREFILL_ROWS", "FastWeight", "build", "dequantize", "matmul", "supported", "unpack_codes"]
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 """Group sizes ``_weight_int4pack_mm_for_cpu`` accepts (largest first: fewer scales to read)."""
@@ -73,7 +63,7 @@ def supported(bits: int, in_features: int, out_features: int, group_size: int) -
 class FastWeight:
     """A layer's codes in the int4 kernel's layout, with what both kernels need, for one dtype.
 
-    ``dtype``: what the kernels compute in. ``mid``: the middle code 2^(bits-1). ``planes``: one
+    ``dtype``: what the kernels compute in (mid below: the middle code 2^(bits-1)). ``planes``: one
     (packed codes, S and M [K/group, N, 2] in ``dtype``) per 4-bit plane (two for 8-bit layers).
     ``scale_zero``: s and ``s * (mid - z)`` of the whole code, for dequantizing
     ``(q - mid) * s + s * (mid - z)`` (the prefill path unpacks the checkpoint's ``qweight``
@@ -83,7 +73,6 @@ class FastWeight:
 
     dtype: torch.dtype
     group: int
-    mid: float
     planes: list[tuple[torch.Tensor, torch.Tensor]]
     scale_zero: torch.Tensor
     perm: torch.Tensor | None
@@ -129,51 +118,22 @@ def build(codes: torch.Tensor, layer: Mapping[str, Any], dtype: torch.dtype) -> 
         planes = [(_pack(codes + int(8 - mid)), scale_zero)]
     else:
         planes = [(_pack(codes >> 4), sz(16.0 * s, s * (136.0 - z))), (_pack(codes & 15), sz(s, torch.zeros_like(s)))]
-    return FastWeight(dtype, kernel_group, mid, planes, scale_zero, perm)
+    return FastWeight(dtype, kernel_group, planes, scale_zero, perm)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
 
 
-_TABLES: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
-
-
-def _byte_table(bits: int, dtype: torch.dtype, minus: int) -> torch.Tensor:
-    """[256, 8 // bits]: the codes (minus ``minus``) that one packed byte holds, low first."""
-    table = _TABLES.get((bits, dtype, minus))
-    if table is None:
-        byte = torch.arange(256).unsqueeze(1)
-        shifts = torch.arange(0, 8, bits)
-        table = _TABLES[(bits, dtype, minus)] = (((byte >> shifts) & ((1 << bits) - 1)) - minus).to(dtype)
-    return table
-
-
-def _byte_values(qweight: torch.Tensor, bits: int, dtype: torch.dtype, minus: int) -> torch.Tensor:
-    """[W, 4, 8 // bits, N] (a view): the codes of ``qweight`` [W, N] minus ``minus``, by byte."""
-    words, n = qweight.shape
-    values = _byte_table(bits, dtype, minus)[qweight.view(torch.uint8).view(words, n, 4).long()]
-    return values.permute(0, 2, 3, 1)
-
-
 def unpack_codes(qweight: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """The codes [N, K] (int32, contiguous) of a GPTQ ``qweight`` [K * bits / 32, N], for 2, 4
-    and 8 bits: one table lookup per byte (the general unpacker takes a shift per value)."""
+    and 8 bits: one shift and mask per value (the general unpacker also handles values that
+    straddle words)."""
     if 32 % bits:
         raise ValueError(f"{bits}-bit values straddle words; use optq.formats.packing.unpack_qweight")
-    values = _byte_values(qweight, bits, torch.int32, 0).flatten(0, 2)[:in_features]  # [K, N]
-    return values.t().contiguous()
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages freed by building fast paths back to the system (glibc's malloc_trim;
-    elsewhere nothing): the per-layer temporaries otherwise stay in this process's RSS."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(1, -1, 1)
+    values = (qweight.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [W, 32/b, N]: k = 32/b * word + slot
+    return values.view(-1, qweight.shape[1])[:in_features].t().contiguous()
 
 
 _SCRATCH = threading.local()

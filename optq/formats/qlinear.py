@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optq.core.grid import group_index
+from optq.core.memory import release_host_memory
 from optq.formats import cpu_kernels
 from optq.formats.cpu_kernels import FastWeight
 from optq.formats.packing import (
@@ -215,7 +216,7 @@ def build_fast_paths(model: nn.Module) -> tuple[int, int]:
     memory back; returns (layers on the fast path, quantized layers)."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.qweight.device.type == "cpu"]
     fast = sum(m.build_fast_path() for m in layers)
-    cpu_kernels.release_freed_memory()
+    release_host_memory()  # the temporaries' heap pages, back to the system
     return fast, len(layers)
 
 

@@ -145,7 +145,7 @@ def test_replace_linears_llama_and_gpt2_conv1d() -> None:
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_byte_table_unpacking_matches_the_general_unpacker(bits: int) -> None:
+def test_word_aligned_unpacking_matches_the_general_unpacker(bits: int) -> None:
     from optq.formats.cpu_kernels import unpack_codes
     from optq.formats.packing import pack_qweight, unpack_qweight
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import optq
-from optq.core import solver
+from optq.core import memory, solver
 from optq.formats.linears import find_linears
-from optq.pipeline.blocks import capture, memory
+from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.memo import Memo
 
 pytest.importorskip("transformers")

@@ -24,9 +24,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from optq.core import memory
 from optq.formats.experts import ExpertLinears
 from optq.formats.linears import find_linears
-from optq.pipeline.blocks import capture, memory
+from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.memo import Memo
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.blocks.stepper import PausedForwards

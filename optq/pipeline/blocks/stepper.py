@@ -12,7 +12,7 @@ uses the torch threads as a plain loop would.
 The price is memory: while paused, every batch keeps the block's intermediate tensors alive
 (e.g. the MLP's intermediate activations while the down projection is being solved). On glibc,
 every thread also gets its own malloc arena, which keeps what its forward freed; returning those
-free pages after each step (``optq.pipeline.blocks.memory``) halves the peak RSS for about 15% more time.
+free pages after each step (``optq.core.memory``) halves the peak RSS for about 15% more time.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class PausedForwards:
     ``advance(j, hessian)`` lets every batch run up to ``stops[j]``, adding that module's input to
     ``hessian``; ``finish()`` runs every batch to the end and returns the block outputs;
     ``close()`` abandons the paused forwards. Use as a context manager so threads never leak.
-    ``release``: called after every step (``optq.pipeline.blocks.memory.releaser``: trims the host heap).
+    ``release``: called after every step (``optq.core.memory.releaser``: trims the host heap).
     """
 
     def __init__(
