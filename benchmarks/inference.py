@@ -1,169 +1,220 @@
-"""fp32 vs a 4-bit g128 optq checkpoint: size on disk, resident memory, prefill and decode speed.
+"""Serving speed and memory on CPU: fp32 against optq's 2-, 3-, 4- and 8-bit checkpoints.
 
-Each variant runs in its own subprocess (so RSS is that variant's alone), fp32 and 4-bit
-alternating, best of ``--repeats``. The 4-bit model is quantized with round-to-nearest (speed
-does not depend on how the codes were chosen), saved with optq.save and loaded with optq.load.
+Each checkpoint is what `optq quantize MODEL --bits B` writes at the default settings (GPTQ, the
+engines' group sizes: 64 on SmolLM2; ``--nsamples`` may cut the calibration, which changes the
+codes, not the layout or the speed), made once into ``--work`` and reused. Each measurement
+runs in its own child process (so its RSS is that variant's alone), the variants alternating,
+``--repeats`` rounds; each number is the best of the rounds (highest speed, lowest memory):
 
-    python benchmarks/inference.py [--model PATH] [--prompt 256] [--decode 64]
+- prefill: tokens/s of the first new token after a ``--prompt``-token prompt, through ``generate``
+- decode: tokens/s of the next ``--decode`` - 1 tokens (greedy, no early stop)
+- RSS: the process's resident memory after the run minus before loading (the loaded model,
+  its kernels' caches and the run's activations); tensors: the model's parameters and buffers
+  plus the fast path's packed codes
+
+optq's checkpoints load with the embedding table and head in bfloat16 (``optq.load``'s default);
+the 4-bit one is also measured with them in fp32 and int8 (``optq.load(embeddings=...)``), with
+the perplexity of each storage (``--quality-windows`` enwiki windows of 512 tokens), and through
+transformers + GPTQModel 7.7's CPU kernel (bfloat16) where the tests' GPTQModel site is cached
+(``--no-gptqmodel`` skips it). The libraries (torch, transformers, optq, the model's code) are
+imported before the baseline RSS: the model, not the runtime, is measured.
+
+    python benchmarks/inference.py [--model smollm2-135m] [--bits 4,3,2,8] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path.home() / ".cache/optq/models/smollm2-135m"
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def _checkpoint(model: str, bits: int, work: Path, extra: list[str]) -> Path:
+    out = work / f"{model}-{bits}bit"
+    if not (out / "config.json").exists():
+        cmd = [sys.executable, "-m", "optq", "quantize", model, "-o", str(out), "--bits", str(bits), *extra]
+        print(f"making {out.name}: {' '.join(cmd[2:])}", flush=True)
+        subprocess.run([*cmd, "--no-progress", "--overwrite"], check=True)
+    return out
 
 
-def _tiny(folder: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+CHILD = """
+import json, sys, time, torch
+from optq.eval.speed import TokenClock, rss_mb
+spec = json.loads(sys.argv[1])
+torch.manual_seed(0)
+# the libraries are not the model: import them (and the model's code) before the baseline
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+import optq
+MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(spec["folder"]))]
+base = rss_mb()
+t0 = time.perf_counter()
+extra = 0
+if spec["kind"] == "gptqmodel":
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.bfloat16, device_map="cpu").eval()
+else:
+    from optq.data.zoo import load_model
+    from optq.formats.qlinear import QuantLinear
+    model, _ = load_model(spec["folder"], embeddings=spec["embeddings"])  # builds the fast paths
+    qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    fast = sum(q.build_fast_path() for q in qs)
+    assert fast == len(qs), f"{len(qs) - fast} layers off the fast path"
+    extra = sum(q._fast_cache["fast"].nbytes() for q in qs)
+load_s, rss_load = time.perf_counter() - t0, rss_mb() - base
+ids = torch.randint(0, model.config.vocab_size, (1, spec["prompt"]))
+opts = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
+with torch.inference_mode():
+    model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **opts)  # warm-up
+    clock = TokenClock()
+    model.generate(ids, max_new_tokens=spec["decode"], min_new_tokens=spec["decode"], streamer=clock, **opts)
+tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+print(json.dumps({
+    "load_s": load_s,
+    "prefill_tok_s": clock.prefill_tokens_per_s(spec["prompt"]),
+    "decode_tok_s": clock.decode_tokens_per_s(),
+    "rss_load_mb": rss_load,
+    "rss_mb": rss_mb() - base,
+    "tensors_mb": (sum(t.numel() * t.element_size() for t in tensors.values()) + extra) / 1e6,
+    "kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
+}))
+"""
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
+
+def _measure(spec: dict, site: Path | None) -> dict:
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True, text=True, check=False
     )
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    if proc.returncode:
+        raise RuntimeError(f"{spec['name']} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _quantize(src: Path, dst: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import optq
-    from optq.formats.linears import find_linears, get_weight
-    from optq.pipeline.blocks.discovery import find_blocks
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    prefix, _ = find_blocks(model)
-    cfg = optq.QuantConfig(bits=4, group_size=128)
-    sols = {
-        n: optq.rtn(get_weight(m).detach(), cfg) for n, m in find_linears(model).items() if n.startswith(prefix + ".")
-    }
-    optq.save(model, dst, solutions=sols, overwrite=True)
+QUALITY = """
+import json, sys, torch
+from optq.data.tokens import load_tokens
+from optq.data.zoo import load_model
+from optq.eval.perplexity import perplexity_detail
+folder, windows = sys.argv[1], int(sys.argv[2])
+out = {}
+for kind in ("model", "bfloat16", "int8"):
+    model, tok = load_model(folder, embeddings=kind)  # fp32, optq.load's default, int8
+    tokens = load_tokens("enwiki", tok, "eval")
+    out[kind] = perplexity_detail(model, tokens, seqlen=512, windows=windows, progress=False).perplexity
+print(json.dumps(out))
+"""
 
 
-def _measure(variant: str, folder: str, prompt: int, decode: int) -> dict:
-    """Run in a child process: load, prefill ``prompt`` tokens, decode ``decode`` tokens."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _gptqmodel_site() -> Path | None:
+    from optq.data.corpora import cache_dir
 
-    import optq
-
-    torch.manual_seed(0)
-    base = _rss_mb()
-    t0 = time.perf_counter()
-    if variant == "fp32":
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    else:
-        model = optq.load(folder)
-    load_s = time.perf_counter() - t0
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, prompt))
-    with torch.inference_mode():
-        model(ids[:, :8], use_cache=True)  # warm-up (kernel caches, allocator)
-        t0 = time.perf_counter()
-        out = model(ids, use_cache=True)
-        prefill_s = time.perf_counter() - t0
-        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(decode):
-            out = model(tok, past_key_values=cache, use_cache=True)
-            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        decode_s = time.perf_counter() - t0
-    tensors = sum(
-        t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-    )
-    return {
-        "variant": variant,
-        "load_s": load_s,
-        "prefill_tok_s": prompt / prefill_s,
-        "decode_tok_s": decode / decode_s,
-        "rss_mb": _rss_mb(),
-        "rss_model_mb": _rss_mb() - base,
-        "model_tensors_mb": tensors / 1e6,
-    }
-
-
-def _disk_mb(folder: Path) -> float:
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 1e6
+    site = cache_dir() / "test-packages" / "gptqmodel-7.7.0" / "site"
+    return site if (site / ".complete").exists() else None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None, help="fp32 HF folder (default: smollm2-135m cache, else tiny)")
+    ap.add_argument("--model", default="smollm2-135m", help="built-in name or fp folder (default smollm2-135m)")
+    ap.add_argument("--bits", default="4,3,2,8", help="checkpoint widths (default 4,3,2,8)")
+    ap.add_argument("--work", type=Path, default=None, help="where checkpoints are made and kept")
+    ap.add_argument("--nsamples", type=int, default=None, help="calibration sequences of new checkpoints")
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quality-windows", type=int, default=20, help="0: skip the perplexity of the memory options")
+    ap.add_argument("--no-gptqmodel", action="store_true", help="skip transformers + GPTQModel")
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(_measure(args.child[0], args.child[1], args.prompt, args.decode)))
-        return 0
-    work = Path(tempfile.mkdtemp(prefix="optq-bench-"))
-    src = args.model or (DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").exists() else None)
-    if src is None:
-        src = work / "tiny-fp32"
-        _tiny(src)
-    q4 = work / "q4-g128"
-    _quantize(src, q4)
-    folders = {"fp32": src, "optq 4-bit g128": q4}
+    sys.path.insert(0, str(ROOT))
+    from optq.data.corpora import cache_dir
+    from optq.data.zoo import resolve_model
+
+    work = args.work or cache_dir() / "bench" / "inference"
+    work.mkdir(parents=True, exist_ok=True)
+    fp = str(resolve_model(args.model))
+    bits = [int(b) for b in args.bits.split(",")]
+    extra = [] if args.nsamples is None else ["--nsamples", str(args.nsamples)]
+    folders = {b: str(_checkpoint(args.model, b, work, extra)) for b in bits}
+    variants = [{"name": "fp32", "kind": "hf", "folder": fp, "embeddings": None}]
+    variants += [{"name": f"optq {b}-bit", "kind": "optq", "folder": folders[b], "embeddings": None} for b in bits]
+    if 4 in bits:  # the embedding storage optq.load does not choose by default (it stores bfloat16)
+        for kind in ("model", "int8"):
+            name = f"optq 4-bit, {'fp32' if kind == 'model' else kind} embed"
+            variants.append({"name": name, "kind": "optq", "folder": folders[4], "embeddings": kind})
+    site = None if args.no_gptqmodel or 4 not in bits else _gptqmodel_site()
+    if site is not None:
+        variants.append({"name": "GPTQModel 4-bit (bf16)", "kind": "gptqmodel", "folder": folders[4], "embeddings": ""})
     best: dict[str, dict] = {}
-    for _ in range(args.repeats):
-        for variant, folder in folders.items():
-            cmd = [
-                sys.executable,
-                __file__,
-                "--child",
-                "fp32" if variant == "fp32" else "q4",
-                str(folder),
-                "--prompt",
-                str(args.prompt),
-                "--decode",
-                str(args.decode),
-            ]
-            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            prev = best.get(variant)
-            if prev is None or r["decode_tok_s"] > prev["decode_tok_s"]:
-                r["prefill_tok_s"] = max(r["prefill_tok_s"], prev["prefill_tok_s"]) if prev else r["prefill_tok_s"]
-                best[variant] = r
-            elif r["prefill_tok_s"] > prev["prefill_tok_s"]:
-                prev["prefill_tok_s"] = r["prefill_tok_s"]
-    print(f"model: {src}  prompt {args.prompt} tokens, decode {args.decode} tokens, best of {args.repeats}")
+    started = time.perf_counter()
+    for r in range(args.repeats):
+        for v in variants:
+            spec = {**v, "prompt": args.prompt, "decode": args.decode}
+            try:
+                res = _measure(spec, site if v["kind"] == "gptqmodel" else None)
+            except RuntimeError as exc:
+                print(f"round {r + 1}: {exc}", file=sys.stderr)
+                continue
+            print(
+                f"round {r + 1}: {v['name']:28s} {json.dumps({k: round(x, 1) for k, x in res.items() if k != 'kinds'})}"
+            )
+            b = best.setdefault(v["name"], {**res, "folder": v["folder"]})
+            for k in ("prefill_tok_s", "decode_tok_s"):
+                b[k] = max(b[k], res[k])
+            for k in ("rss_mb", "rss_load_mb", "load_s", "tensors_mb"):
+                b[k] = min(b[k], res[k])
+    quality = {}
+    if args.quality_windows and 4 in bits:
+        proc = subprocess.run(
+            [sys.executable, "-c", QUALITY, folders[4], str(args.quality_windows)], capture_output=True, text=True
+        )
+        quality = (
+            json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
+        )
+    ref = best.get("fp32")
+    print(f"\n{args.model}: prompt {args.prompt}, decode {args.decode} tokens, best of {args.repeats}")
     print(
-        f"{'variant':18s} {'disk MB':>8s} {'tensors MB':>10s} {'RSS MB':>8s} "
-        f"{'prefill tok/s':>14s} {'decode tok/s':>13s}"
+        f"{'variant':30s} {'disk MB':>8s} {'tensors MB':>10s} {'RSS MB':>8s} {'x fp32':>6s} "
+        f"{'prefill tok/s':>13s} {'x fp32':>6s} {'decode tok/s':>12s} {'x fp32':>6s}"
     )
-    for variant, r in best.items():
-        r["disk_mb"] = _disk_mb(folders[variant])
+    for name, b in best.items():
+        b["disk_mb"] = sum(p.stat().st_size for p in Path(b["folder"]).glob("*.safetensors")) / 1e6
+        report = Path(b["folder"]) / "quantization_report.json"
+        if report.exists():  # how the checkpoint was calibrated
+            b["calibration_nsamples"] = json.loads(report.read_text()).get("options", {}).get("nsamples")
+        if ref:
+            b["rss_x"], b["prefill_x"] = b["rss_mb"] / ref["rss_mb"], b["prefill_tok_s"] / ref["prefill_tok_s"]
+            b["decode_x"] = b["decode_tok_s"] / ref["decode_tok_s"]
+        size = f"{b['disk_mb']:8.1f} {b['tensors_mb']:10.1f} {b['rss_mb']:8.0f} {b.get('rss_x', 0):6.2f}"
+        speed = f"{b['prefill_tok_s']:13.1f} {b.get('prefill_x', 0):6.2f} {b['decode_tok_s']:12.1f}"
+        print(f"{name:30s} {size} {speed} {b.get('decode_x', 0):6.2f}")
+    if quality and "error" not in quality:
+        base = quality["model"]
         print(
-            f"{variant:18s} {r['disk_mb']:8.1f} {r['model_tensors_mb']:10.1f} {r['rss_mb']:8.0f} "
-            f"{r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}"
+            f"\n4-bit perplexity on enwiki ({args.quality_windows} x 512 tokens) by embedding storage (model = fp32): "
+            + ", ".join(f"{k} {v:.3f} ({100 * (v / base - 1):+.2f}%)" for k, v in quality.items())
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "inference.json"
-    out.write_text(
-        json.dumps({"model": str(src), "prompt": args.prompt, "decode": args.decode, "results": best}, indent=2) + "\n"
-    )
+    payload = {
+        "model": args.model,
+        "prompt": args.prompt,
+        "decode": args.decode,
+        "repeats": args.repeats,
+        "seconds": round(time.perf_counter() - started, 1),
+        "results": best,
+        "quality_enwiki": quality,
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

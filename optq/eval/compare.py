@@ -41,13 +41,15 @@ VARIANT_HELP = (
 class Variant:
     """One row of a comparison: a method, its settings and how activations propagate; ``serve``:
     the engines its layers must run on (``RunSettings.serve``: GPTQ and round-to-nearest both take
-    the group sizes they need); ``settings``: other RunSettings fields (GPTAQ's)."""
+    the group sizes they need); ``overrides``: per-layer settings of GPTQ (``RunSettings.overrides``);
+    ``settings``: other RunSettings fields (GPTAQ's)."""
 
     name: str
     method: str  # "fp", "rtn", "gptq" or "gptaq"
     config: QuantConfig | None = None
     propagate: str = "quantized"
     serve: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, dict[str, Any]], ...] = ()
     settings: tuple[tuple[str, Any], ...] = ()
 
 
@@ -208,6 +210,7 @@ def compare(
                 batch_size=batch_size,
                 device=device,
                 serve=v.serve,
+                overrides=v.overrides,
                 **dict(v.settings),
             )
             res.quantize_s = time.perf_counter() - t

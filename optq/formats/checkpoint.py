@@ -32,11 +32,12 @@ from torch import nn
 
 from optq.formats import compressed_tensors as checkpoint_ct
 from optq.formats.atomic import atomic_folder
+from optq.formats.compact import EMBEDDINGS, compact_embeddings
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
 from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
 from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, packed_layout, quantization_config
-from optq.formats.qlinear import QuantLinear
+from optq.formats.qlinear import QuantLinear, build_fast_paths
 from optq.formats.schemes import LayerSetting, layer_schemes
 
 if TYPE_CHECKING:
@@ -195,14 +196,22 @@ def _warn_refused(
             )
 
 
-def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load(
+    folder: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    embeddings: str = "bfloat16",
+) -> nn.Module:
     """Load a checkpoint written by :func:`save` (or any GPTQ / pack-quantized one) as a model.
 
     The architecture is built from ``config.json`` with transformers, its parameters on the meta
     device (no fp32 weights are materialised for quantized layers); layers with a ``qweight``
     (or ``weight_packed``) tensor become :class:`~optq.formats.qlinear.QuantLinear`. Every tensor is checked
     against the expected shape and dtype; missing, unexpected or mismatched tensors raise
-    :class:`CheckpointError`. Other weights are cast to ``dtype``.
+    :class:`CheckpointError`. Other weights are cast to ``dtype``. ``embeddings`` stores the token
+    embedding and a float head as ``"bfloat16"`` (default), ``"int8"`` or ``"model"`` (``dtype``;
+    with ``use_fast_path = False`` on every QuantLinear, the exact model): see optq.formats.compact.
 
     Tensors are looked up under the original checkpoint's names (what :func:`save` writes):
     a mixture-of-experts model's fused experts become
@@ -214,6 +223,8 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
 
     from optq.formats.linears import get_weight, is_linear
 
+    if embeddings not in EMBEDDINGS:
+        raise ValueError(f"embeddings={embeddings!r}: choose one of {EMBEDDINGS}")
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -290,7 +301,7 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     for key, tensor in read_tensors(folder, index, [k for k in index if k not in tied]):
         _check_values(folder / index[key][0], key, tensor, key.startswith(quant_prefixes), expected)
         want = expected[key]
-        state[model_key[key]] = tensor.to(want.dtype) if tensor.dtype != want.dtype else tensor
+        state[model_key[key]] = tensor.to(want.dtype, copy=True)  # own memory: no view keeps the file mapped
     if method == "compressed-tensors":
         for mname, name in quantized.items():
             packed = {k[len(mname) + 1 :]: state.pop(k) for k in list(state) if k.startswith(f"{mname}.")}
@@ -303,7 +314,9 @@ def load(folder: str | Path, *, device: str | torch.device = "cpu", dtype: torch
     if left:
         raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
     model.config.quantization_config = qc
-    return model.to(device).eval()
+    model = compact_embeddings(model, embeddings).to(device).eval()
+    build_fast_paths(model)  # on CPU: the kernels' packed codes now, not at the first token
+    return model
 
 
 _SCALES = (".scales", ".weight_scale")

@@ -108,7 +108,7 @@ def _sym48(s: LayerShape, zero_points_ok: bool = False) -> bool:
 
 def _optq_fast(s: LayerShape) -> bool:
     kernel_group = any(s.group % c == 0 == s.in_features % c for c in _TORCH_GROUPS)
-    return s.bits == 4 and s.out_features % 16 == 0 and kernel_group
+    return s.bits in (2, 3, 4, 8) and s.out_features % 16 == 0 and kernel_group
 
 
 _G, _C, _A = ("gptq", "gptq_v2"), ("compressed-tensors",), FORMATS
@@ -221,7 +221,7 @@ _TABLE: dict[tuple[str, str, tuple[str, ...]], tuple[tuple, ...]] = {
         (_DIV, _CT + "quantization/lifecycle/forward_helpers.py: _process_group", _divides, True),
     ),
     ("optq", _OPTQ_INT4, _A): (
-        ("4 bits, N % 16, a kernel group of 32..256 dividing group and K", _Q + "_fast_layout", _optq_fast),
+        ("2/3/4/8 bits, N % 16, kernel group 32..256 divides group and K", "optq/formats/cpu_kernels.py", _optq_fast),
     ),
     ("optq", "reference dequantize", _A): (("nothing", _Q + "forward_reference", lambda s: True),),
 }

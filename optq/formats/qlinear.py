@@ -5,15 +5,13 @@ The module's ``state_dict`` is the format's tensors (``qweight``, ``qzeros``, ``
 
 - reference: unpack, dequantize ``scales[g] * (q - z)`` in the input dtype, matmul. Valid for
   every width and any ``g_idx`` (act-order included).
-- fast (4-bit, CPU): PyTorch's packed int4 kernel ``_weight_int4pack_mm_for_cpu``, which computes
-  ``w = (q - 8) * s + m`` per group, run in ``fast_dtype`` (bfloat16 by default: in torch 2.13
-  only its bfloat16 kernel is vectorised; float32 and float16 inputs take a scalar loop about
-  100x slower, measured on this CPU), so outputs match the reference to bfloat16 precision; our
-  ``s * (q - z)`` is that with ``m = s * (8 - z)``. Chosen
+- fast (CPU, every bit width): PyTorch's packed int4 kernel for few rows (decode), dequantize
+  to bfloat16 + matmul for many (prefill), both in ``fast_dtype`` (bfloat16 by default), so
+  outputs match the reference to bfloat16 precision; see :mod:`optq.formats.cpu_kernels`. Chosen
   automatically when the layout allows (out_features % 16 == 0, a kernel group size of 32, 64,
   128 or 256 that divides both the group size and in_features, groups contiguous after sorting
-  the input channels by ``g_idx``); the converted weight is built lazily and cached outside the
-  state_dict.
+  the input channels by ``g_idx``); the kernel's packed codes are built lazily (half a byte per
+  weight; two planes, one byte, at 8 bits) and cached outside the state_dict.
 
 Typical use: ``replace_linears(model, solutions)`` after the pipeline, then ``optq.save``.
 """
@@ -29,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from optq.core.grid import group_index
+from optq.formats import cpu_kernels
+from optq.formats.cpu_kernels import FastWeight
 from optq.formats.packing import (
     SUPPORTED_BITS,
     pack_qweight,
@@ -43,9 +43,8 @@ if TYPE_CHECKING:
     from optq.core.config import QuantConfig
     from optq.core.solver import Solution
 
-__all__ = ["QuantLinear", "replace_linears"]
+__all__ = ["QuantLinear", "build_fast_paths", "replace_linears"]
 
-_KERNEL_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu accepts
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_TINY = 2.0**-24  # smallest positive float16; keeps recomputed codes finite
 
@@ -61,7 +60,7 @@ class QuantLinear(nn.Module):
     [G, N*b/32], ``scales`` float16 [G, N], ``g_idx`` int32 [K], ``bias`` float16 [N] or None.
     Construct empty (for loading) with the shape arguments, or from a solver result with
     :meth:`from_solution`. Set ``use_fast_path = False`` to force the reference forward, and
-    ``fast_dtype`` to the dtype the int4 kernel computes in (bfloat16, the fast one, by default).
+    ``fast_dtype`` to the dtype the fast path computes in (bfloat16, the fast one, by default).
     """
 
     def __init__(
@@ -152,9 +151,10 @@ class QuantLinear(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + bias`` in x's dtype (fast int4 kernel when available)."""
-        if self.use_fast_path and self._fast_layout(x) is not None:
-            return self._forward_int4(x)
+        """``x @ W.T + bias`` in x's dtype (the fast CPU path when the layout allows)."""
+        fast = self._fast_layout(x) if self.use_fast_path else None
+        if fast is not None:
+            return self._forward_fast(x, fast)
         return self.forward_reference(x)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,70 +162,42 @@ class QuantLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
-    def _fast_layout(self, x: torch.Tensor) -> dict[str, Any] | None:
+    def build_fast_path(self) -> bool:
+        """Build the fast path's packed codes now (otherwise the first CPU forward does); True
+        when this layer runs on it."""
+        return self.use_fast_path and self._fast_layout(self.scales.new_zeros(1, self.in_features).float()) is not None
+
+    def _fast_layout(self, x: torch.Tensor) -> FastWeight | None:
         """The fast path's cached layout for x, or None when the reference path must run."""
         if (
-            self.bits != 4
-            or x.device.type != "cpu"
+            x.device.type != "cpu"
             or x.dtype not in _KERNEL_DTYPES
             or (x.requires_grad and torch.is_grad_enabled())
-            or self.out_features % 16
             or self.qweight.device.type != "cpu"
-            or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            or cpu_kernels.supported(self.bits, self.in_features, self.out_features, self.group_size) is None
         ):
             return None
         tensors = (self.qweight, self.qzeros, self.scales, self.g_idx)
-        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        key = (self.fast_dtype, *((t.data_ptr(), t._version) for t in tensors))
         cache = self._fast_cache
         if cache is None or cache["key"] != key:
-            cache = self._fast_cache = {"key": key, **self._build_fast()}
-        if cache["packed"] is None:
-            return None
-        return cache
+            self._fast_cache = None  # the old layout's memory goes before the new one is built
+            layer = {"scales": self.scales, "zeros": self.zeros(), "g_idx": self.g_idx}
+            layer.update(bits=self.bits, group_size=self.group_size)
+            codes = cpu_kernels.unpack_codes(self.qweight, self.bits, self.in_features) if 32 % self.bits == 0 else None
+            fast = cpu_kernels.build(self.codes() if codes is None else codes, layer, self.fast_dtype)
+            cache = self._fast_cache = {"key": key, "fast": fast}
+        return cache["fast"]
 
-    def _build_fast(self) -> dict[str, Any]:
-        K = self.in_features
-        g = K if self.group_size == -1 else self.group_size
-        kernel_group = next((c for c in _KERNEL_GROUPS if g % c == 0 and K % c == 0), None)
-        g_idx = self.g_idx.to(torch.int32)
-        natural = group_index(K, self.group_size, g_idx.device)
-        perm = None
-        if not torch.equal(g_idx, natural):
-            # Act-order g_idx: sorting input channels by group makes groups contiguous again.
-            perm = torch.argsort(g_idx, stable=True)
-            if not torch.equal(g_idx[perm], natural):
-                kernel_group = None
-        if kernel_group is None:
-            return {"packed": None}
-        codes = self.codes()
-        if perm is not None:
-            codes = codes[:, perm]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-        # Kernel sub-group j covers sorted channels [j*kg, (j+1)*kg), all inside group j*kg // g.
-        groups = natural[::kernel_group].long()
-        s = self.scales.float()[groups]  # [K/kg, N]
-        z = self.zeros().t().float()[groups]
-        return {
-            "packed": packed,
-            "group": kernel_group,
-            "perm": perm,
-            "scale_zero": torch.stack([s, s * (8.0 - z)], dim=-1).contiguous(),
-            "by_dtype": {},
-        }
+    def dense_weight(self, fast: FastWeight) -> tuple[torch.Tensor, int]:
+        """The prefill path's weight, W.T [K, N] in ``fast_dtype`` (rows possibly in the packed
+        bytes' order: see cpu_kernels.dequantize), built for one call."""
+        return cpu_kernels.dequantize(fast, self.qweight, self.bits, self.codes)
 
-    def _forward_int4(self, x: torch.Tensor) -> torch.Tensor:
-        cache = self._fast_cache
-        assert cache is not None
-        dtype = self.fast_dtype
-        sz = cache["by_dtype"].get(dtype)
-        if sz is None:
-            sz = cache["by_dtype"][dtype] = cache["scale_zero"].to(dtype)
+    def _forward_fast(self, x: torch.Tensor, fast: FastWeight) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if cache["perm"] is not None:
-            x2 = x2.index_select(1, cache["perm"])
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(dtype).contiguous(), cache["packed"], cache["group"], sz
-        ).to(x.dtype)
+        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
+        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -236,6 +208,15 @@ class QuantLinear(nn.Module):
             f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}, "
             f"checkpoint_format={self.checkpoint_format!r}"
         )
+
+
+def build_fast_paths(model: nn.Module) -> tuple[int, int]:
+    """Build every CPU QuantLinear's fast path now (optq.load does), then hand the temporaries'
+    memory back; returns (layers on the fast path, quantized layers)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.qweight.device.type == "cpu"]
+    fast = sum(m.build_fast_path() for m in layers)
+    cpu_kernels.release_freed_memory()
+    return fast, len(layers)
 
 
 def replace_linears(model: nn.Module, solutions: Mapping[str, Solution], checkpoint_format: str = "gptq") -> nn.Module:

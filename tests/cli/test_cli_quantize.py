@@ -48,7 +48,7 @@ def test_quantize_writes_a_loadable_model_and_report(model_dir, tmp_path, capsys
         seqlen=16,
         progress=False,
     )
-    written, _ = load_model(out)
+    written, _ = load_model(out, embeddings="model")  # the exact model (bfloat16 embeddings by default)
     ids = torch.randint(0, 50, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(written(input_ids=ids).logits, fp(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

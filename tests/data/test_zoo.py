@@ -189,7 +189,7 @@ def test_gptq_folder_goes_through_optq_load(tiny, monkeypatch):
     (tiny / "config.json").write_text(json.dumps(cfg))
     sentinel = torch.nn.Linear(2, 2).train()
     fake = types.ModuleType("optq.formats.checkpoint")
-    fake.load = lambda folder: sentinel
+    fake.load = lambda folder, **kw: sentinel
     monkeypatch.setitem(sys.modules, "optq.formats.checkpoint", fake)
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object())
     import optq.formats
@@ -207,7 +207,7 @@ def test_a_folder_saved_by_optq_loads_as_quantized_modules(tiny, tmp_path):
     calib = torch.randint(3, len(VOCAB), (4, 16), generator=torch.Generator().manual_seed(0))
     report = optq.quantize(model, calib, optq.QuantConfig(bits=4, group_size=16), progress=False)
     optq.save(model, tmp_path / "q", solutions=report.solutions, tokenizer=tok)
-    loaded, _ = zoo.load_model(tmp_path / "q")
+    loaded, _ = zoo.load_model(tmp_path / "q", embeddings="model")  # the exact model (bfloat16 by default)
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, QuantLinear)
     for m in loaded.modules():
         if isinstance(m, QuantLinear):

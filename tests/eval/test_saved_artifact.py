@@ -23,18 +23,18 @@ def test_saved_checkpoint_evaluates_like_the_in_memory_model(smollm2, enwiki, gp
     qmodel, report, memory_ppl = gptq4
     folder = tmp_path / "smollm2-4bit"
     optq.save(qmodel, folder, solutions=report.solutions, tokenizer=tokenizer, report=report)
-    loaded = optq.load(folder)
+    loaded = optq.load(folder, embeddings="model")
     qlinears = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
     assert len(qlinears) == 210 and all(q.bits == 4 for q in qlinears)
 
+    # optq.load built every layer's fast path (the int4 kernel's packed codes)
+    assert all(q._fast_cache is not None and q._fast_cache["fast"] is not None for q in qlinears)
     for q in qlinears:
         q.use_fast_path = False  # unpack, dequantize in fp32, matmul
     exact_ppl = optq.perplexity(loaded, windows)
-    assert all(q._fast_cache is None for q in qlinears)
     for q in qlinears:
-        q.use_fast_path = True  # PyTorch's packed int4 kernel, computing in bfloat16
+        q.use_fast_path = True  # PyTorch's int4 kernel and bfloat16 matmul
     fast_ppl = optq.perplexity(loaded, windows)
-    assert all(q._fast_cache is not None and q._fast_cache["packed"] is not None for q in qlinears)
     print(
         f"4-bit enwiki perplexity: in memory {memory_ppl:.4f}, loaded exact {exact_ppl:.4f}, loaded fast {fast_ppl:.4f}"
     )
@@ -51,5 +51,8 @@ def test_saved_checkpoint_evaluates_like_the_in_memory_model(smollm2, enwiki, gp
     assert result["seqlen"] == seqlen and result["bos_id"] is None
     assert row["corpus"] == "enwiki" and row["windows"] == n_windows
     assert row["tokens"] == n_windows * (seqlen - 1)
-    # the command loads the folder as optq.load does (fast path on) and reads the same windows
-    assert row["perplexity"] == pytest.approx(fast_ppl, rel=1e-6)
+    # the command loads the folder as optq.load does by default (fast path on, bfloat16
+    # embeddings: +0.01% on this checkpoint) and reads the same windows
+    served_ppl = optq.perplexity(optq.load(folder), windows)
+    assert served_ppl == pytest.approx(fast_ppl, rel=1e-3)
+    assert row["perplexity"] == pytest.approx(served_ppl, rel=1e-6)

@@ -81,7 +81,7 @@ def test_save_load_logits_match_in_memory_model(tmp_path: Path, cfg: dict, fmt: 
     optq.save(model, tmp_path / "q", solutions=sols, format=fmt, report={"note": "test"})
     replace_linears(model, sols, checkpoint_format=fmt)
     in_memory = _logits(model, IDS)
-    loaded = optq.load(tmp_path / "q")
+    loaded = optq.load(tmp_path / "q", embeddings="model")
     out = _logits(loaded, IDS)
     assert torch.allclose(out, in_memory, atol=1e-5)
     assert torch.allclose(out, expected, atol=5e-3), (out - expected).abs().max()
@@ -174,7 +174,7 @@ def test_shards_and_untied_head(tmp_path: Path) -> None:
     index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and "lm_head.weight" in index["weight_map"]
     replace_linears(model, sols)
-    assert torch.allclose(_logits(optq.load(tmp_path / "q"), IDS), _logits(model, IDS), atol=1e-5)
+    assert torch.allclose(_logits(optq.load(tmp_path / "q", embeddings="model"), IDS), _logits(model, IDS), atol=1e-5)
 
 
 def test_save_replaced_model_and_convert_convention(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ def test_save_replaced_model_and_convert_convention(tmp_path: Path) -> None:
     sols = _quantize(model, optq.QuantConfig(bits=4, group_size=32))
     replace_linears(model, sols, checkpoint_format="gptq_v2")
     optq.save(model, tmp_path / "q", format="gptq")  # QuantLinear modules, converted to v1
-    assert torch.allclose(_logits(optq.load(tmp_path / "q"), IDS), _logits(model, IDS), atol=1e-5)
+    assert torch.allclose(_logits(optq.load(tmp_path / "q", embeddings="model"), IDS), _logits(model, IDS), atol=1e-5)
 
 
 @pytest.fixture()
@@ -209,7 +209,7 @@ def test_load_errors(saved: Path) -> None:
     key = "model.layers.0.mlp.down_proj.qweight"
     _edit_tensors(saved, lambda t: t.pop("model.layers.1.self_attn.o_proj.scales"))
     with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.1.self_attn.o_proj.scales'\]"):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
     _edit_tensors(
         saved,
         lambda t: t.update(
@@ -217,14 +217,14 @@ def test_load_errors(saved: Path) -> None:
         ),
     )
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['extra.weight'\]"):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
     _edit_tensors(saved, lambda t: t.pop("extra.weight"))
     _edit_tensors(saved, lambda t: t.update({key: t[key][:-1].contiguous()}))
     with pytest.raises(CheckpointError, match=f"{key} has shape"):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
     _edit_tensors(saved, lambda t: t.update({key: torch.zeros(16, 64, dtype=torch.int64)}))
     with pytest.raises(CheckpointError, match=f"{key} has dtype"):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
 
 
 @pytest.mark.parametrize(
@@ -238,7 +238,7 @@ def test_load_errors(saved: Path) -> None:
 def test_load_refuses_unknown_config(saved: Path, changes: dict, match: str) -> None:
     _edit_config(saved, **changes)
     with pytest.raises(CheckpointError, match=match):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
 
 
 def test_v1_refuses_asymmetric_zero_point_zero(tmp_path: Path) -> None:
@@ -250,7 +250,7 @@ def test_v1_refuses_asymmetric_zero_point_zero(tmp_path: Path) -> None:
         optq.save(model, tmp_path / "q", solutions=sols, format="gptq")
     assert not (tmp_path / "q").exists() and list(tmp_path.iterdir()) == []
     optq.save(model, tmp_path / "q", solutions=sols, format="gptq_v2")
-    assert optq.load(tmp_path / "q").get_submodule(name).zeros()[0, 0] == 0
+    assert optq.load(tmp_path / "q", embeddings="model").get_submodule(name).zeros()[0, 0] == 0
 
 
 def test_existing_folder_and_bad_format(saved: Path) -> None:

@@ -120,7 +120,7 @@ def test_torch_rules_match_the_real_int4_kernel():
 def test_optq_rules_match_quantlinear_fast_path():
     x = torch.randn(2, 1, dtype=torch.bfloat16)
     seen = set()
-    for k, n, bits, g in itertools.product((64, 96, 192, 576, 640), (8, 16, 48), (3, 4), (-1, 32, 64, 128)):
+    for k, n, bits, g in itertools.product((64, 96, 192, 576, 640), (8, 16, 48), (2, 3, 4, 8), (-1, 32, 64, 128)):
         layer = QuantLinear(k, n, bits, g)
         fast = layer._fast_layout(x.expand(2, k)) is not None
         v = verdict("optq", LayerShape(k, n, bits, g))

@@ -140,10 +140,10 @@ def test_truncated_file_is_named(tmp_path: Path, model_and_solutions) -> None:
     with pytest.raises(CheckpointError, match=rf"{path} is truncated or corrupt \(safetensors: .*re-save"):
         read_index(tmp_path / "q")
     with pytest.raises(CheckpointError, match=rf"{path} is truncated or corrupt"):
-        optq.load(tmp_path / "q")
+        optq.load(tmp_path / "q", embeddings="model")
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json header}")
     with pytest.raises(CheckpointError, match=rf"{path} is truncated or corrupt"):
-        optq.load(tmp_path / "q")
+        optq.load(tmp_path / "q", embeddings="model")
 
 
 def test_truncated_shard_is_named_by_read_tensors(saved: Path) -> None:
@@ -158,7 +158,7 @@ def test_truncated_shard_is_named_by_read_tensors(saved: Path) -> None:
         read_index(saved)
     (saved / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a safetensors index"):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
 
 
 def _poke(folder: Path, key: str, value: float) -> Path:
@@ -188,10 +188,10 @@ def _poke(folder: Path, key: str, value: float) -> Path:
     ],
 )
 def test_corrupt_values_are_refused(saved: Path, key: str, value: float, what: str) -> None:
-    assert torch.isfinite(optq.load(saved).model.embed_tokens.weight).all()  # loads before the poke
+    assert torch.isfinite(optq.load(saved, embeddings="model").model.embed_tokens.weight).all()  # loads before the poke
     path = _poke(saved, key, value)
     with pytest.raises(CheckpointError, match=rf"{path}: tensor {key} has {what}; .*re-save"):
-        optq.load(saved)
+        optq.load(saved, embeddings="model")
 
 
 def test_inspect_summary_first_and_natural_order(tmp_path: Path, capsys) -> None:

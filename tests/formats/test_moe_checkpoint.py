@@ -112,7 +112,7 @@ def test_load_computes_the_in_memory_quantized_model(tmp_path, arch, fmt):
     model, sols = quantized(arch)
     optq.save(model, tmp_path / "q", solutions=sols, format=fmt)
     replace_linears(model, sols, checkpoint_format=fmt)
-    loaded = optq.load(tmp_path / "q")
+    loaded = optq.load(tmp_path / "q", embeddings="model")
     assert torch.allclose(logits(loaded), logits(model), atol=1e-6, rtol=0)
     experts = loaded.model.layers[1].mlp.experts
     assert isinstance(experts, ExpertLinears) and experts.num_experts == tiny_moe.EXPERTS
@@ -147,7 +147,7 @@ def test_custom_experts_keep_their_names(tmp_path):
     with pytest.raises(
         CheckpointError, match=r"tensor model\.layers\.\d\.mlp\.experts\.\d\.\w+\.qweight names no module"
     ):
-        optq.load(tmp_path / "q")
+        optq.load(tmp_path / "q", embeddings="model")
     replace_linears(model, sols)
     other, _ = quantized("custom")
     other.model.embed_tokens.weight.data.normal_()
@@ -170,17 +170,17 @@ def test_load_errors_name_checkpoint_tensors(tmp_path):
     key = "model.layers.1.block_sparse_moe.experts.2.w3.scales"
     _edit(folder, lambda t: {k: v for k, v in t.items() if k != key})
     with pytest.raises(CheckpointError, match=rf"missing tensors \['{re.escape(key)}'\]"):
-        optq.load(folder)
+        optq.load(folder, embeddings="model")
     optq.save(model, folder, solutions=sols, overwrite=True)
     key = "model.layers.0.block_sparse_moe.experts.0.w1.qweight"
     _edit(folder, lambda t: t.update({key: t[key][:-1].contiguous()}))
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(key)} has shape"):
-        optq.load(folder)
+        optq.load(folder, embeddings="model")
     # written under transformers' in-memory names instead of the checkpoint's: refused
     optq.save(model, folder, solutions=sols, overwrite=True)
     _edit(folder, lambda t: {k.replace("block_sparse_moe", "mlp"): v for k, v in t.items()})
     with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.experts\.0\.w1\.qweight names no module"):
-        optq.load(folder)
+        optq.load(folder, embeddings="model")
 
 
 def test_save_splits_fused_experts_first(tmp_path):
@@ -201,7 +201,7 @@ def test_save_splits_fused_experts_first(tmp_path):
         assert torch.equal(saved[f"{prefix}.w3.weight"], gate_up[e, inter:])
         assert torch.equal(saved[f"{prefix}.w2.weight"], down[e])
     replace_linears(model, sols)
-    assert torch.allclose(logits(optq.load(tmp_path / "q")), logits(model), atol=1e-6, rtol=0)
+    assert torch.allclose(logits(optq.load(tmp_path / "q", embeddings="model")), logits(model), atol=1e-6, rtol=0)
 
 
 def _inspect(folder: Path, capsys) -> tuple[list[str], dict[str, tuple[int, int]], list[str]]:
@@ -281,7 +281,7 @@ def test_fused_experts_optq_cannot_split_stay_float_and_are_named(tmp_path, caps
     fused = model.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(saved["model.layers.0.mlp.experts.gate_up_proj"], fused)
     replace_linears(model, sols)
-    assert torch.allclose(logits(optq.load(tmp_path / "q")), logits(model), atol=1e-6, rtol=0)
+    assert torch.allclose(logits(optq.load(tmp_path / "q", embeddings="model")), logits(model), atol=1e-6, rtol=0)
     out, kinds, floats = _inspect(tmp_path / "q", capsys)
     assert f"model.layers.*.mlp.experts.gate_up_proj: 2 x {list(fused.shape)}, experts (routed)" in floats
     assert "model.layers.*.mlp.experts.down_proj: 2 x [4, 16, 32], experts (routed)" in floats

@@ -104,7 +104,7 @@ def test_at_most_two_percent_of_gpt_oss_block_matrices_stay_float_and_are_named(
     listed = [line.strip() for line in out.splitlines() if line.startswith("    model.")]
     assert listed == ["model.layers.*.mlp.router.weight: 2 x [4, 32], routers"], listed
     assert "expert weights left in float" not in out and "\nengines (" in out, out
-    loaded = optq.load(tmp_path / "q")
+    loaded = optq.load(tmp_path / "q", embeddings="model")
     assert torch.isfinite(_logits(loaded)).all()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from formats.bounds import bf16_bound
 from torch import nn
 
 import optq
@@ -49,36 +50,49 @@ def test_dequantize_matches_solution_up_to_fp16_scales(bits: int, fmt: str) -> N
     assert torch.allclose(q.forward_reference(x), ref, atol=tol * 128**0.5 * 4)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 96])  # 1 and 3: the int4 kernel; 96: dequantize + matmul
 @pytest.mark.parametrize(
     "k,group_size,act_order,static",
     [
-        (576, 128, False, False),
+        (576, 64, False, False),
         (256, -1, False, False),
         (256, 64, True, False),
         (256, 64, True, True),
         (128, 32, False, False),
     ],
 )
-def test_fast_int4_path_equals_reference(k: int, group_size: int, act_order: bool, static: bool) -> None:
-    sol = _solution(48, k, bits=4, group_size=group_size, act_order=act_order, static_groups=static, sym=False)
+def test_fast_path_equals_reference_to_bf16_precision(
+    bits: int, rows: int, k: int, group_size: int, act_order: bool, static: bool
+) -> None:
+    sol = _solution(48, k, bits=bits, group_size=group_size, act_order=act_order, static_groups=static, sym=False)
     q = QuantLinear.from_solution(sol, bias=torch.randn(48), checkpoint_format="gptq_v2")
-    x = torch.randn(2, 3, k)
+    x = torch.randn(rows, k)
     ref = q.forward_reference(x)
-    q.fast_dtype = torch.float32  # exact arithmetic: proves the layout and zero conversion
-    fast32 = q(x)
-    assert q._fast_cache is not None and q._fast_cache["packed"] is not None
-    assert torch.allclose(fast32, ref, atol=1e-4, rtol=1e-4)
-    q.fast_dtype = torch.bfloat16  # the default: bfloat16 activations inside the kernel
     fast = q(x)
+    assert q._fast_cache is not None and q._fast_cache["fast"] is not None
+    assert ((fast - ref).abs() <= bf16_bound(x, q, ref)).all(), (fast - ref).abs().max()
     assert ((fast - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(q(x.view(1, rows, k)), fast.view(1, rows, 48))  # leading dims are flattened
+    # fp32 compute (scalar kernels, exact layout check): agrees to float32 rounding
+    q.fast_dtype = torch.float32
+    assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("n,k,bits,group_size", [(48, 96, 3, 32), (40, 128, 4, 32), (48, 96, 4, 48)])
+def test_fast_path_holds_half_a_byte_per_weight_below_8_bits() -> None:
+    for bits, planes in ((2, 1), (3, 1), (4, 1), (8, 2)):
+        q = QuantLinear.from_solution(_solution(64, 256, bits=bits, group_size=64))
+        fast = q._fast_layout(torch.zeros(1, 256))
+        assert fast is not None and len(fast.planes) == planes
+        assert sum(p[0].numel() * p[0].element_size() for p in fast.planes) == planes * 64 * 256 // 2
+
+
+@pytest.mark.parametrize("n,k,bits,group_size", [(40, 128, 4, 32), (48, 96, 4, 48), (48, 96, 3, 48)])
 def test_fast_path_refused_when_layout_does_not_allow(n: int, k: int, bits: int, group_size: int) -> None:
     q = QuantLinear.from_solution(_solution(n, k, bits=bits, group_size=group_size))
     x = torch.randn(2, k)
     assert torch.equal(q(x), q.forward_reference(x))
-    assert q._fast_cache is None or q._fast_cache["packed"] is None
+    assert q._fast_cache is None or q._fast_cache["fast"] is None
 
 
 def test_fast_cache_follows_buffer_changes() -> None:
@@ -128,3 +142,29 @@ def test_replace_linears_llama_and_gpt2_conv1d() -> None:
         assert torch.allclose(out, ref, atol=2e-3), (out - ref).abs().max()
     with pytest.raises(ValueError, match="shape"):
         replace_linears(nn.Sequential(nn.Linear(8, 4)), {"0": sols[next(iter(sols))]})
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_byte_table_unpacking_matches_the_general_unpacker(bits: int) -> None:
+    from optq.formats.cpu_kernels import unpack_codes
+    from optq.formats.packing import pack_qweight, unpack_qweight
+
+    codes = torch.randint(0, 1 << bits, (48, 96), generator=torch.Generator().manual_seed(bits))
+    qweight = pack_qweight(codes, bits)
+    assert torch.equal(unpack_codes(qweight, bits, 96), unpack_qweight(qweight, bits, 96))
+    assert torch.equal(unpack_codes(qweight, bits, 96), codes.to(torch.int32))
+    with pytest.raises(ValueError, match="straddle"):
+        unpack_codes(pack_qweight(codes % 8, 3), 3, 96)
+
+
+def test_build_fast_paths_builds_every_layer_and_counts_them() -> None:
+    from optq.formats.qlinear import build_fast_paths
+
+    model = nn.Sequential(
+        QuantLinear.from_solution(_solution(32, 128, bits=4, group_size=32)),
+        QuantLinear.from_solution(_solution(40, 128, bits=4, group_size=32)),  # 40 % 16: no kernel layout
+    )
+    assert all(m._fast_cache is None for m in model)
+    assert build_fast_paths(model) == (1, 2)
+    assert model[0]._fast_cache["fast"] is not None
+    assert model[1]._fast_cache is None or model[1]._fast_cache["fast"] is None

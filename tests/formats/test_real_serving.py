@@ -19,47 +19,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from formats.real_models import CALIB, need, quantize
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import optq
-from optq.cli import main
+from optq.cli import main as optq_main
 from optq.formats.engines import ENGINES, LayerShape, check_engines
 from optq.formats.qlinear import QuantLinear
 from optq.formats.schemes import layer_schemes
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]
 
-CALIB = ["--nsamples", "8", "--seqlen", "64", "--no-progress"]
 PROMPT = "The capital of France is"
 NEW_TOKENS = 8
 SMOL_LAYERS = 210  # 30 blocks x (q, k, v, o, gate, up, down)
-
-
-def _need(model: str) -> None:
-    """Skip unless ``model`` and the enwiki corpus are available offline."""
-    from optq.data.corpora import _cache_file
-    from optq.data.zoo import model_available
-
-    if not model_available(model):
-        pytest.skip(f"{model} not available offline (optq fetch {model})")
-    if not _cache_file("enwiki").exists():
-        pytest.skip("enwiki corpus not cached (optq fetch enwiki)")
-
-
-def _quantize(model: str, out: Path, *flags: str) -> float:
-    start = time.perf_counter()
-    assert main(["quantize", model, "-o", str(out), *flags]) == 0
-    return time.perf_counter() - start
-
-
-@pytest.fixture(scope="module")
-def smol_checkpoint(tmp_path_factory) -> Path:
-    """`optq quantize smollm2-135m` with the default engine settings, small calibration."""
-    _need("smollm2-135m")
-    out = tmp_path_factory.mktemp("serving") / "smollm2-4bit"
-    print(f"\nquantize smollm2-135m: {_quantize('smollm2-135m', out, *CALIB):.1f} s")
-    return out
 
 
 def _layer_shapes(folder: Path) -> dict[str, LayerShape]:
@@ -138,7 +112,7 @@ def optq_run(smol_checkpoint, smol_tokens):
     """optq.load's model: greedy generation on the fast path, then the fast and the reference
     path's logits on the generated sequence."""
     _, prompt = smol_tokens
-    model = optq.load(smol_checkpoint)
+    model = optq.load(smol_checkpoint, embeddings="model")  # float32 table and head: the reference is exact
     qlinears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     with torch.no_grad():
         sequence = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -165,7 +139,7 @@ def test_optq_load_runs_every_layer_on_the_int4_path_and_generates(optq_run, smo
         for dtype in (torch.float32, torch.bfloat16):
             assert q._fast_layout(torch.zeros(1, q.in_features, dtype=dtype)) is not None, (q, dtype)
     # the generation ran the int4 kernel in every layer (its packed weight was built and kept)
-    assert all(c is not None and c["packed"] is not None for c in optq_run["caches"])
+    assert all(c is not None and c["fast"] is not None for c in optq_run["caches"])
     new = sequence[0, prompt.shape[1] :]
     text = tokenizer.decode(new, skip_special_tokens=True)
     print(f"\noptq.load generates: {PROMPT!r} -> {text!r}")
@@ -231,9 +205,9 @@ def test_transformers_with_gptqmodel_generates_like_optq(gptqmodel_run, optq_run
 
 
 def test_gemma_layers_pass_every_engine_at_default_settings(tmp_path):
-    _need("gemma3-270m")
+    need("gemma3-270m")
     out = tmp_path / "gemma-4bit"
-    seconds = _quantize("gemma3-270m", out, "--method", "rtn", "--nsamples", "2", "--seqlen", "32", "--no-progress")
+    seconds = quantize("gemma3-270m", out, "--method", "rtn", "--nsamples", "2", "--seqlen", "32", "--no-progress")
     print(f"\nquantize gemma3-270m (rtn): {seconds:.1f} s")
     shapes = _layer_shapes(out)
     assert len(shapes) == 18 * 7
@@ -245,7 +219,7 @@ def test_gemma_layers_pass_every_engine_at_default_settings(tmp_path):
 
 
 def test_strict_groups_refuses_before_any_block_is_read(tmp_path, capsys, monkeypatch):
-    _need("smollm2-135m")
+    need("smollm2-135m")
     from optq.pipeline.stream.source import SafetensorsSource
 
     reads: list[str] = []
@@ -261,7 +235,7 @@ def test_strict_groups_refuses_before_any_block_is_read(tmp_path, capsys, monkey
         monkeypatch.setattr(SafetensorsSource, name, spy(getattr(SafetensorsSource, name)))
     out = tmp_path / "strict"
     start = time.perf_counter()
-    code = main(["quantize", "smollm2-135m", "-o", str(out), "--strict-groups", *CALIB])
+    code = optq_main(["quantize", "smollm2-135m", "-o", str(out), "--strict-groups", *CALIB])
     seconds = time.perf_counter() - start
     err = capsys.readouterr().err
     print(f"\n--strict-groups refused in {seconds:.1f} s: {err.strip()[:300]}")

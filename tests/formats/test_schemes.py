@@ -72,7 +72,7 @@ def test_mixed_checkpoint_round_trips_through_optq_load(tmp_path: Path, fmt: str
         assert len(qc["dynamic"]) == 3 and qc == json.loads((tmp_path / "q" / "quantize_config.json").read_text())
     replace_linears(model, sols, checkpoint_format=storage_format(fmt))
     in_memory = _logits(model, IDS)
-    loaded = optq.load(tmp_path / "q")
+    loaded = optq.load(tmp_path / "q", embeddings="model")
     for n in sols:
         q = loaded.get_submodule(n)
         assert isinstance(q, QuantLinear) and (q.bits, q.group_size) == (settings[n].bits, settings[n].group_size), n
@@ -210,7 +210,7 @@ def test_gptqmodel_written_dynamic_is_read(tmp_path: Path) -> None:
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "q" / "quantize_config.json").unlink()
     assert layer_schemes(qc, list(sols)) == {n: _expected(n, "gptq") for n in sols}
-    assert torch.allclose(_logits(optq.load(tmp_path / "q"), IDS), expected, atol=5e-3)
+    assert torch.allclose(_logits(optq.load(tmp_path / "q", embeddings="model"), IDS), expected, atol=5e-3)
     qc["dynamic"] = {r"-:.*down_proj": {}, **qc["dynamic"]}  # excluded, yet packed: refused
     with pytest.raises(CheckpointError, match="down_proj holds packed tensors, but .*dynamic excludes it"):
         layer_schemes(qc, list(sols))

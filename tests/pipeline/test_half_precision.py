@@ -52,7 +52,7 @@ def test_half_precision_model_quantizes_saves_and_loads(dtype, tmp_path):
     # Saved and loaded in the same dtype: the same codes, and the same logits up to the
     # rounding of the float16 scales and of the half-precision forward.
     optq.save(model, tmp_path / "q", solutions=report.solutions)
-    loaded = optq.load(tmp_path / "q", dtype=dtype)
+    loaded = optq.load(tmp_path / "q", dtype=dtype, embeddings="model")
     qlinears = {n: m for n, m in loaded.named_modules() if isinstance(m, QuantLinear)}
     assert set(qlinears) == set(before)
     for name, q in qlinears.items():

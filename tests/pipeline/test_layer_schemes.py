@@ -179,7 +179,7 @@ def test_a_streamed_checkpoint_records_per_layer_schemes_as_planned(tmp_path, fm
     assert predicted.disk["output tensors"] == data  # the 8-bit layers' packed sizes, as planned
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert ("dynamic" in qc) == (fmt == "gptq") and (len(qc.get("config_groups", {})) == 2) == (fmt != "gptq")
-    loaded = optq.load(out)
+    loaded = optq.load(out, embeddings="model")
     bits = {n: m.bits for n, m in loaded.named_modules() if isinstance(m, QuantLinear)}
     assert bits and all(b == (8 if n.endswith("down_proj") else 3) for n, b in bits.items()), bits
     assert set(report.schemes) == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}

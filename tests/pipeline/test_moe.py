@@ -163,7 +163,7 @@ def test_quantized_moe_saves_under_source_names_and_loads_to_the_same_logits(arc
     assert routers and all(index[k][2].is_floating_point for k in routers)
     if arch == "custom":  # its config.json is a plain Llama: load into the model's own structure
         return
-    loaded = optq.load(tmp_path / "q")
+    loaded = optq.load(tmp_path / "q", embeddings="model")
     for name in expert_linears(model):
         assert isinstance(loaded.get_submodule(name), QuantLinear), name
     replace_linears(model, report.solutions)  # the in-memory quantized model, packed as saved

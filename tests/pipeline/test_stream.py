@@ -84,7 +84,7 @@ def test_sharded_bf16_model_streams_to_a_loadable_checkpoint_in_its_dtype(arch, 
     mem = optq.quantize(model, kit.tokens(n=6, seqlen=16), kit.CFG, progress=False)
     assert set(mem.solutions) == layer_of
     replace_linears(model, mem.solutions)  # the in-memory quantized model, packed as a checkpoint is
-    loaded = optq.load(out)
+    loaded = optq.load(out, embeddings="model")
     for name in quantized:
         assert isinstance(loaded.get_submodule(name), QuantLinear), name
     want, got = model.state_dict(), loaded.state_dict()
@@ -290,7 +290,7 @@ def _assert_same_quantization(cpu: Path, gpu: Path, min_same_codes: float, logit
     assert all(0.8 < r < 1.25 for r in ratios.values()), (gpu.name, ratios)
     ids = kit.tokens(n=2, seqlen=16)
     with torch.no_grad():  # both on the CPU: the checkpoints' contents are compared, not kernels
-        ref, got = optq.load(cpu)(ids).logits, optq.load(gpu)(ids).logits
+        ref, got = optq.load(cpu, embeddings="model")(ids).logits, optq.load(gpu, embeddings="model")(ids).logits
     err = float((got - ref).abs().max() / ref.abs().max())
     assert err <= logit_tol, (gpu.name, err)
 
@@ -322,8 +322,8 @@ def test_gpu_streaming_matches_the_cpu_streaming_output(kit, tmp_path):
     torch.set_float32_matmul_precision("highest")
     try:
         with torch.no_grad():
-            ref = optq.load(tmp_path / "gpu32")(ids).logits
-            got = optq.load(tmp_path / "gpu32", device="cuda")(ids.cuda()).logits.cpu()
+            ref = optq.load(tmp_path / "gpu32", embeddings="model")(ids).logits
+            got = optq.load(tmp_path / "gpu32", device="cuda", embeddings="model")(ids.cuda()).logits.cpu()
     finally:
         torch.set_float32_matmul_precision(precision)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))

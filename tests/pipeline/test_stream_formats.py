@@ -39,7 +39,7 @@ def test_streamed_format_equals_the_in_memory_save(tmp_path, fmt):
             diff = (loaded(x).logits - model(x).logits).abs().max()
         assert diff < 1e-3  # scales stored in the model's dtype; codes identical
     else:
-        loaded = optq.load(tmp_path / "stream")
+        loaded = optq.load(tmp_path / "stream", embeddings="model")
         with torch.no_grad():
             assert torch.allclose(loaded(calib[:2]).logits, model(calib[:2]).logits, atol=1e-3)
 

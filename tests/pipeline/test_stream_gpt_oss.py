@@ -57,7 +57,7 @@ def _same_weights(kit, streamed: Path, saved: Path) -> dict[str, bytes]:
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = optq.load(folder)
+    model = optq.load(folder, embeddings="model")
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.use_fast_path = False  # the exact path

@@ -136,13 +136,19 @@ def _gptq_folder(folder: Path) -> bool:
 
 
 def load_model(
-    name_or_path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    name_or_path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    embeddings: str | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """Load ``(model, tokenizer)`` in eval mode for any name :func:`resolve_model` accepts.
 
     ``dtype`` defaults to float32. A folder saved by ``optq.save`` (config with a GPTQ
     ``quantization_config``) is opened with ``optq.load``; everything else with
-    ``AutoModelForCausalLM.from_pretrained``.
+    ``AutoModelForCausalLM.from_pretrained``. ``embeddings``: how the embedding table and a
+    float head are stored (:func:`optq.formats.compact.compact_embeddings`); None: optq.load's
+    default (bfloat16) for checkpoints, the model's dtype for float models.
     """
     where = resolve_model(name_or_path)  # checks the input before the heavy imports
     import torch
@@ -151,10 +157,13 @@ def load_model(
     if isinstance(where, Path) and _gptq_folder(where):
         from optq.formats import checkpoint
 
-        model = checkpoint.load(str(where))
+        model = checkpoint.load(str(where), embeddings=embeddings or "bfloat16")
         model = model.to(device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype or torch.float32).to(device)
+        from optq.formats.compact import compact_embeddings
+
+        model = AutoModelForCausalLM.from_pretrained(str(where), dtype=dtype or torch.float32)
+        model = compact_embeddings(model, embeddings or "model").to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(where))
     return model, tokenizer
