@@ -15,6 +15,8 @@ Results go to benchmarks/results/gptaq.json; runs already there are not repeated
 file to start over).
 
     nice -n 19 python benchmarks/gptaq.py [--bits 4,3] [--nsamples 32] [--seqlen 512] [--windows 8]
+    python benchmarks/gptaq.py --timing 2     # on a quiet machine: gptq and gptaq at 4 bits in
+                                              # turn, twice, quantization only (no evaluation)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import sys
 import time
@@ -85,6 +88,7 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--timing", type=int, default=0, help="rounds of gptq and gptaq in turn, timed only")
     args = ap.parse_args()
 
     from optq.data import corpora, tokens, zoo
@@ -114,6 +118,16 @@ def main() -> int:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(data, indent=1) + "\n")
 
+    if args.timing:
+        rounds = data.setdefault("timing", [])
+        for _ in range(args.timing):
+            for variant in ("gptq", "gptaq"):
+                q, cost = quantize(model, variant, 4, calib)
+                del q
+                rounds.append({"variant": variant, "bits": 4, "load_average": os.getloadavg()[0], **cost})
+                save()
+                print(f"  {json.dumps(rounds[-1])}", flush=True)
+        return 0
     if "fp" not in runs:
         runs["fp"] = {"perplexity": ppl(model)}
         save()

@@ -53,7 +53,7 @@ from optq.core.config import QuantConfig
 from optq.core.factor import all_finite
 from optq.core.solver import Solution, _check, _work_dtype, factored, objective, sweep
 
-__all__ = ["gptaq", "floor_weight", "DEFAULT_ALPHA"]
+__all__ = ["gptaq", "gptaq_with_floor", "floor_weight", "DEFAULT_ALPHA"]
 
 DEFAULT_ALPHA = 0.25  # the authors' code and GPTQModel scale the correction so
 
@@ -120,6 +120,20 @@ def gptaq(
         >>> h.update(Xq, fp=Xfp)
         >>> sol = optq.gptaq(torch.randn(8, 16), h.matrix(), h.cross_matrix(), optq.QuantConfig(group_size=-1))
     """
+    return gptaq_with_floor(W, H, dXXT, config, alpha=alpha, full=full)[0]
+
+
+def gptaq_with_floor(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    dXXT: torch.Tensor,
+    config: QuantConfig,
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    full: bool = False,
+) -> tuple[Solution, torch.Tensor]:
+    """``gptaq``'s Solution and the floor W* its loss is measured against (``floor_weight``), from
+    one factorisation (the pipeline reports every objective against W*)."""
     _check(W, H, config)
     _check_cross(W, dXXT, alpha)
     H_caller, perm, U, damp_used, added = factored(W, H, config)
@@ -132,4 +146,4 @@ def gptaq(
     sol = sweep(target, (H_caller, perm, U, damp_used, added), config, W.dtype)
     del U, target
     sol.loss = objective(floor, sol.weight.to(_work_dtype(W)), H_caller)
-    return sol
+    return sol, floor.to(W.dtype)

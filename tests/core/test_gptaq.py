@@ -10,7 +10,7 @@ import torch
 
 import optq
 from optq.core import grid
-from optq.core.gptaq import floor_weight
+from optq.core.gptaq import floor_weight, gptaq_with_floor
 
 
 def shifted_inputs(n: int, d: int, seed: int, shift: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +165,8 @@ def test_loss_is_the_asymmetric_objective_above_its_least_squares_floor(act_orde
     # W* by least squares on the raw inputs: min_V ||W X_fp - V X_q||²
     best = torch.linalg.lstsq(X_q, X_fp @ W.T).solution.T
     assert torch.allclose(floor_weight(W, H, C, cfg), best, atol=1e-9)
+    again, floor = gptaq_with_floor(W, H, C, cfg, alpha=1.0)
+    assert torch.equal(floor, floor_weight(W, H, C, cfg)) and torch.equal(again.codes, sol.codes)
     excess = asym_objective(W, sol.weight, X_fp, X_q) - asym_objective(W, best, X_fp, X_q)
     # the pipeline's objective convention: ½ tr(Δ H Δᵀ) with H = 2XXᵀ/n is the mean squared error
     assert sol.loss == pytest.approx(float(excess.sum()), rel=1e-9)

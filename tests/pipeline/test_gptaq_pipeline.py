@@ -57,8 +57,8 @@ def reference(X_q: torch.Tensor, X_fp: torch.Tensor, normalize: bool) -> tuple[t
 
 
 def recording(monkeypatch, model: torch.nn.Module) -> list:
-    """Record every gptaq call: (the linear heading the stacked W, H, C, the model's state then)."""
-    seen, real = [], gptaq_mod.gptaq
+    """Record every GPTAQ solve: (the linear heading the stacked W, H, C, the model's state then)."""
+    seen, real = [], gptaq_mod.gptaq_with_floor
 
     def record(W, H, C, cfg, **kw):
         heads = [
@@ -72,7 +72,7 @@ def recording(monkeypatch, model: torch.nn.Module) -> list:
         seen.append((heads[0], H.clone(), C.clone(), {k: v.clone() for k, v in model.state_dict().items()}))
         return real(W, H, C, cfg, **kw)
 
-    monkeypatch.setattr(gptaq_mod, "gptaq", record)
+    monkeypatch.setattr(gptaq_mod, "gptaq_with_floor", record)
     return seen
 
 

@@ -162,8 +162,8 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
         if method == "gptaq":
             s = work.run.settings
             C = hess.cross_matrix()
-            sol = gptaq.gptaq(W, H, C, config, alpha=s.gptaq_alpha, full=s.gptaq_form == "full")
-            W_ref = gptaq.floor_weight(W, H, C, config)
+            form = {"alpha": s.gptaq_alpha, "full": s.gptaq_form == "full"}
+            sol, W_ref = gptaq.gptaq_with_floor(W, H, C, config, **form)
             del C
         else:
             sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
