@@ -225,8 +225,7 @@ def load(
 
     if embeddings not in EMBEDDINGS:
         raise ValueError(f"embeddings={embeddings!r}: choose one of {EMBEDDINGS}")
-    folder = Path(folder)
-    config_path = folder / "config.json"
+    config_path = (folder := Path(folder)) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json; is it a saved checkpoint folder?")
     config = json.loads(config_path.read_text())
@@ -308,6 +307,7 @@ def load(
             layer = checkpoint_ct.import_layer(packed, settings[name], name=name)
             state.update({f"{mname}.{k}": t for k, t in layer.items()})
     model.load_state_dict(state, strict=False, assign=True)
+    del state  # else a float32 table replaced below would outlive build_fast_paths' heap trim
     if getattr(hf_config, "tie_word_embeddings", False) and not isinstance(model.get_output_embeddings(), QuantLinear):
         model.tie_weights()
     left = [keys.get(n, n) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -315,7 +315,7 @@ def load(
         raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
     model.config.quantization_config = qc
     model = compact_embeddings(model, embeddings).to(device).eval()
-    build_fast_paths(model)  # on CPU: the kernels' packed codes now, not at the first token
+    build_fast_paths(model)  # on CPU: the kernels' packed codes now; then the load's garbage goes
     return model
 
 

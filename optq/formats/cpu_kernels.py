@@ -17,9 +17,11 @@ slower, measured on this machine):
   scale per output channel only; our 8-bit layers have a scale and zero point per group,
   which it cannot express without one call per group.)
 - prefill (more rows): the int4 kernel is slower than float32 matmul there (it is built for
-  matrix-vector products), so the weight is dequantized to bfloat16 from the checkpoint's
+  matrix-vector products), so the weight is dequantized to bfloat16 from the kernel's own
   packed codes, ``(q - m) * s + s * (m - z)``, and multiplied with bfloat16 matmul, which uses
-  the CPU's bfloat16 units. The dequantized weight lives in a scratch buffer for the call.
+  the CPU's bfloat16 units. The dequantized weight lives in a scratch buffer for the call. The
+  packed planes hold the codes exactly, so the checkpoint's ``qweight`` can be rebuilt from
+  them (:func:`codes_from_packed`) and need not stay in memory beside them.
 
 Both agree with the exact float32 reference to bfloat16 precision: the activations and S, M
 are rounded to 8 significant bits (unit roundoff 2^-8 each), products accumulate in float32.
@@ -30,6 +32,7 @@ contiguous once sorted by ``g_idx`` (natural order and act-order with static gro
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +42,20 @@ import torch
 
 from optq.core.grid import group_index
 
-__all__ = ["KERNEL_GROUPS", "PREFILL_ROWS", "FastWeight", "build", "dequantize", "matmul", "supported", "unpack_codes"]
+__all__ = [
+    "KERNEL_GROUPS",
+    "PREFILL_ROWS",
+    "FastWeight",
+    "build",
+    "centred_codes",
+    "codes_from_packed",
+    "dequantize",
+    "from_packed",
+    "matmul",
+    "packed_layout_known",
+    "supported",
+    "unpack_codes",
+]
 
 KERNEL_GROUPS = (256, 128, 64, 32)
 """Group sizes ``_weight_int4pack_mm_for_cpu`` accepts (largest first: fewer scales to read)."""
@@ -66,9 +82,9 @@ class FastWeight:
     ``dtype``: what the kernels compute in (mid below: the middle code 2^(bits-1)). ``planes``: one
     (packed codes, S and M [K/group, N, 2] in ``dtype``) per 4-bit plane (two for 8-bit layers).
     ``scale_zero``: s and ``s * (mid - z)`` of the whole code, for dequantizing
-    ``(q - mid) * s + s * (mid - z)`` (the prefill path unpacks the checkpoint's ``qweight``
-    again, so no second copy of the codes is kept). ``perm``: the input-channel order
-    (act-order) or None.
+    ``(q - mid) * s + s * (mid - z)`` (the prefill path reads the codes back from the planes,
+    so no second copy of them is needed: see :func:`packed_layout_known`). ``perm``: the
+    input-channel order (act-order) or None.
     """
 
     dtype: torch.dtype
@@ -149,58 +165,95 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
-def _centred_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """For 2, 4 and 8 bits: the codes minus the middle code, int8 [8/bits, 4, W, N], indexed
-    (position t in the byte, low first; byte j of the word; word i; output n): value
-    k = 32/bits * i + 8/bits * j + t. One contiguous write per position (a scratch buffer)."""
-    words, n = qweight.shape
-    per_byte = 8 // bits
-    by_byte = qweight.view(torch.uint8).view(words, n, 4).permute(2, 0, 1)  # [4, W, N], strided
-    codes = _scratch((per_byte, 4, words, n), torch.int8)
-    raw = codes.view(torch.uint8)
-    if bits == 8:
-        return torch.bitwise_xor(by_byte, 0x80, out=raw[0]).view(torch.int8).unsqueeze(0)  # q - 128
-    mask = (1 << bits) - 1
-    for t in range(per_byte):
-        if t == 0:
-            torch.bitwise_and(by_byte, mask, out=raw[0])
-        else:
-            torch.bitwise_right_shift(by_byte, t * bits, out=raw[t])
-            if (t + 1) * bits < 8:
-                raw[t].bitwise_and_(mask)
-    return codes.sub_(1 << (bits - 1))
+_BLOCK_N = 64  # the packer's output-channel block: bytes [N/64, K, 32], byte j = (n = j | n = 32 + j << 4)
 
 
-def dequantize(
-    fast: FastWeight, qweight: torch.Tensor, bits: int, codes: Callable[[], torch.Tensor]
-) -> tuple[torch.Tensor, int]:
-    """The weight's transpose [K, N] in the fast dtype, and the values per byte when its rows
-    follow the packed bytes (then :func:`matmul` reorders x to match), else 0 (rows in the
-    kernels' channel order). Valid until the next call on this thread (a scratch buffer).
+def _nibbles(packed: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes [K, N] (uint8, into ``out``) of a plane packed by the int4 packer, rows in
+    the kernel's channel order. The packer (``_convert_weight_to_int4pack_for_cpu``) stores
+    [N/64, K, 32] bytes whose low nibble is channel 64 b + j and high nibble 64 b + 32 + j; two
+    strided passes write whole 32-byte runs."""
+    by_k = packed.view(torch.uint8).view(n // _BLOCK_N, k, _BLOCK_N // 2).permute(1, 0, 2)
+    halves = out.view(k, n // _BLOCK_N, 2, _BLOCK_N // 2)
+    torch.bitwise_and(by_k, 15, out=halves[:, :, 0])
+    torch.bitwise_right_shift(by_k, 4, out=halves[:, :, 1])
+    return out
 
-    For 2, 4 and 8 bits in natural order the codes come out of ``qweight``'s bytes with one
-    mask or shift per value into rows ordered (position in byte, byte in word, word), so every
-    write is contiguous, and are scaled with one fused multiply-add per weight; x's columns are
-    reordered instead of the weight's rows. ``codes`` returns the codes [N, K] for the other
-    cases (3 bits, act-order).
+
+@functools.cache
+def packed_layout_known() -> bool:
+    """Whether this torch's int4 packer writes the layout :func:`_nibbles` reads (checked once,
+    on random codes): then the packed codes alone describe the weight, and the checkpoint's
+    ``qweight`` can be rebuilt from them instead of being kept beside them."""
+    if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
+        return False
+    n, k = 2 * _BLOCK_N, 64
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    try:
+        back = _nibbles(_pack(codes), n, k, torch.empty(k, n, dtype=torch.uint8))
+    except RuntimeError:  # another layout's size
+        return False
+    return torch.equal(back.t().to(torch.int32), codes)
+
+
+def from_packed(fast: FastWeight, n: int) -> bool:
+    """Whether ``fast``'s packed codes can be read back (:func:`centred_codes`)."""
+    return n % _BLOCK_N == 0 and packed_layout_known()
+
+
+def centred_codes(fast: FastWeight, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes minus the middle code, ``q - 2^(b-1)``, int8 [K, N], rows in the kernels'
+    channel order (``fast.perm``), read from the packed planes (needs :func:`from_packed`).
+    For b <= 4 bits that is the plane's ``c - 8``; at 8 bits ``16 (h - 8) + l``, the byte
+    ``h l`` with its top bit flipped."""
+    k = fast.planes[0][0].numel() * 2 // n
+    out = torch.empty(k, n, dtype=torch.int8) if out is None else out
+    raw = out.view(torch.uint8)
+    _nibbles(fast.planes[0][0], n, k, raw)
+    if len(fast.planes) == 1:
+        return out.sub_(8)
+    low = _nibbles(fast.planes[1][0], n, k, _scratch((k, n), torch.uint8))
+    raw.bitwise_left_shift_(4).bitwise_or_(low).bitwise_xor_(0x80)
+    return out
+
+
+def codes_from_packed(fast: FastWeight, bits: int, n: int) -> torch.Tensor:
+    """The codes [N, K] (int32, the checkpoint's channel order) of ``fast``: exactly the ones it
+    was built from."""
+    kernel_order = centred_codes(fast, n).t().to(torch.int32).add_(1 << (bits - 1))
+    if fast.perm is None:
+        return kernel_order.contiguous()
+    codes = torch.empty_like(kernel_order)
+    codes[:, fast.perm] = kernel_order
+    return codes
+
+
+def dequantize(fast: FastWeight, bits: int, n: int, codes: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The weight's transpose [K, N] in the fast dtype, rows in the kernels' channel order
+    (:func:`matmul` orders x's columns alike). Valid until the next call on this thread (a
+    scratch buffer).
+
+    The codes come from the packed planes when their layout is known (two nibble passes), else
+    from ``codes()`` (the checkpoint's codes [N, K]); each weight is then one fused multiply-add,
+    ``(q - mid) * s + s * (mid - z)``.
     """
-    kg, dtype, n = fast.group, fast.dtype, qweight.shape[1]
+    kg, dtype = fast.group, fast.dtype
     s, m = (t.contiguous() for t in fast.scale_zero.unbind(-1))  # [K/kg, N]: small; strided, they slow the FMA
-    if 32 % bits == 0 and fast.perm is None:
-        centred = _centred_codes(qweight, bits)
-        words_per_group = kg * bits // 32  # word i is in group i // words_per_group
-        grouped = centred.view(centred.shape[0], 4, -1, words_per_group, n)
-        out = _scratch(tuple(grouped.shape), dtype)
-        torch.addcmul(m.view(1, 1, -1, 1, n), grouped, s.view(1, 1, -1, 1, n), out=out)
-        return out.view(-1, n), centred.shape[0]
-    q = codes().t()
-    if fast.perm is not None:
-        q = q.index_select(0, fast.perm)
-    centred = (q - (1 << (bits - 1))).to(dtype).view(-1, kg, n)
-    return torch.addcmul(m.unsqueeze(1), centred, s.unsqueeze(1)).view(-1, n), 0
+    if from_packed(fast, n):
+        k = fast.planes[0][0].numel() * 2 // n
+        centred = centred_codes(fast, n, _scratch((k, n), torch.int8))
+    else:
+        q = codes().t()
+        if fast.perm is not None:
+            q = q.index_select(0, fast.perm)
+        centred = q - (1 << (bits - 1))
+    grouped = centred.view(-1, kg, n)
+    out = _scratch(tuple(grouped.shape), dtype)
+    torch.addcmul(m.unsqueeze(1), grouped, s.unsqueeze(1), out=out)
+    return out.view(-1, n)
 
 
-def matmul(fast: FastWeight, x: torch.Tensor, dense: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T``, computed and returned in the fast dtype (the caller casts back).
 
     ``dense``: None for the int4 kernel; for dequantize + matmul, :func:`dequantize`'s result
@@ -210,13 +263,10 @@ def matmul(fast: FastWeight, x: torch.Tensor, dense: tuple[torch.Tensor, int] | 
         x = x.index_select(1, fast.perm)
     x = x.to(fast.dtype).contiguous()
     if dense is not None:
-        weight, per_byte = dense
-        if per_byte:  # the weight's rows go (position in byte, byte in word, word): so do x's columns
-            x = x.view(x.shape[0], -1, 4, per_byte).permute(0, 3, 2, 1).reshape(x.shape[0], -1)
-        return x @ weight
-    y = None
-    for packed, scale_zero in fast.planes:
-        part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero)
-        y = part if y is None else y.add_(part)
-    assert y is not None
+        return x @ dense
+    packed, scale_zero = fast.planes[0]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero)
+    if len(fast.planes) == 2:
+        packed, scale_zero = fast.planes[1]
+        y.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero))
     return y

@@ -11,7 +11,9 @@ The module's ``state_dict`` is the format's tensors (``qweight``, ``qzeros``, ``
   automatically when the layout allows (out_features % 16 == 0, a kernel group size of 32, 64,
   128 or 256 that divides both the group size and in_features, groups contiguous after sorting
   the input channels by ``g_idx``); the kernel's packed codes are built lazily (half a byte per
-  weight; two planes, one byte, at 8 bits) and cached outside the state_dict.
+  weight; two planes, one byte, at 8 bits) and cached outside the state_dict. Those planes hold
+  the codes exactly, so ``build_fast_path(drop_codes=True)`` (what ``optq.load`` does) frees
+  ``qweight`` and rebuilds it wherever it is asked for: the codes are in memory once.
 
 Typical use: ``replace_linears(model, solutions)`` after the pipeline, then ``optq.save``.
 """
@@ -48,6 +50,24 @@ __all__ = ["QuantLinear", "build_fast_paths", "replace_linears"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_TINY = 2.0**-24  # smallest positive float16; keeps recomputed codes finite
+
+
+class _FastCache:
+    """A QuantLinear's fast layout and the buffers it was built from (identity and version: a
+    buffer replaced or changed in place makes it stale)."""
+
+    NAMES = ("qweight", "qzeros", "scales", "g_idx")
+    __slots__ = ("dtype", "fast", "tensors", "versions")
+
+    def __init__(self, dtype: torch.dtype, tensors: tuple[torch.Tensor | None, ...], fast: FastWeight | None) -> None:
+        self.dtype, self.fast, self.tensors = dtype, fast, tensors
+        self.versions = tuple(0 if t is None else t._version for t in tensors)
+
+    def fresh(self, buffers: Mapping[str, torch.Tensor | None], dtype: torch.dtype) -> bool:
+        for name, t, v in zip(self.NAMES, self.tensors, self.versions, strict=True):
+            if buffers[name] is not t or (t is not None and t._version != v):
+                return False
+        return dtype == self.dtype
 
 
 def _num_groups(in_features: int, group_size: int) -> int:
@@ -95,7 +115,7 @@ class QuantLinear(nn.Module):
         self.quant_config: QuantConfig | None = None  # the solver's settings, when known
         self.use_fast_path = True
         self.fast_dtype = torch.bfloat16
-        self._fast_cache: dict[str, Any] | None = None
+        self._fast_cache: _FastCache | None = None
 
     @classmethod
     def from_solution(
@@ -137,6 +157,8 @@ class QuantLinear(nn.Module):
     # ----------------------------------------------------------------- unpacked views
     def codes(self) -> torch.Tensor:
         """Integer codes [N, K] (int32, nn.Linear layout)."""
+        if self.__dict__.get("_codes_dropped"):
+            return cpu_kernels.codes_from_packed(self._fast_cache.fast, self.bits, self.out_features)
         return unpack_qweight(self.qweight, self.bits, self.in_features)
 
     def zeros(self) -> torch.Tensor:
@@ -150,58 +172,113 @@ class QuantLinear(nn.Module):
         z = self.zeros()[:, g].to(dtype)
         return self.scales.t()[:, g].to(dtype) * (q - z)
 
+    # ----------------------------------------------------------------- the checkpoint's codes, kept once
+    # Once the fast path is built, its packed planes hold the codes exactly (cpu_kernels.codes_from_packed),
+    # so ``qweight`` may be dropped (``build_fast_path(drop_codes=True)``, what optq.load does): the module
+    # then rebuilds it wherever the format's tensor is asked for (reading ``.qweight``, state_dict, moving
+    # to another device), so nothing outside sees a difference but the memory.
+    def __getattr__(self, name: str) -> Any:
+        if name == "qweight" and self.__dict__.get("_codes_dropped"):
+            return self._restore_codes()
+        return super().__getattr__(name)
+
+    def _restore_codes(self) -> torch.Tensor:
+        qweight = pack_qweight(self.codes(), self.bits)
+        self._buffers["qweight"] = qweight
+        self._codes_dropped = False
+        cache = self._fast_cache
+        cache.tensors = (qweight, *cache.tensors[1:])  # the same codes: the fast layout stays valid
+        cache.versions = (qweight._version, *cache.versions[1:])
+        return qweight
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        if not self.__dict__.get("_codes_dropped"):
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        self._buffers["qweight"] = pack_qweight(self.codes(), self.bits)  # for this state_dict only
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._buffers["qweight"] = None
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        if self.__dict__.get("_codes_dropped"):
+            self._restore_codes()  # the incoming qweight is copied into a real buffer
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        if self.__dict__.get("_codes_dropped"):
+            probe = torch.zeros(0, dtype=torch.int32)
+            moved = fn(probe)
+            if moved.device != probe.device or moved.dtype != probe.dtype:  # .to(another device): codes go too
+                self._restore_codes()
+        return super()._apply(fn, recurse)
+
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + bias`` in x's dtype (the fast CPU path when the layout allows)."""
         fast = self._fast_layout(x) if self.use_fast_path else None
-        if fast is not None:
-            return self._forward_fast(x, fast)
-        return self.forward_reference(x)
+        if fast is None:
+            return self.forward_reference(x)
+        x2 = x.reshape(-1, self.in_features)
+        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
+        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype)
+        bias = self._buffers["bias"]
+        if bias is not None:
+            y = y.add_(bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Unpack, dequantize in x's dtype, matmul: valid for every width and g_idx."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
-    def build_fast_path(self) -> bool:
+    def build_fast_path(self, drop_codes: bool = False) -> bool:
         """Build the fast path's packed codes now (otherwise the first CPU forward does); True
-        when this layer runs on it."""
-        return self.use_fast_path and self._fast_layout(self.scales.new_zeros(1, self.in_features).float()) is not None
+        when this layer runs on it. ``drop_codes``: then free ``qweight``, which the packed
+        codes reproduce exactly (rebuilt wherever it is asked for), when this torch's packed
+        layout is the one :func:`optq.formats.cpu_kernels.packed_layout_known` checks."""
+        if not self.use_fast_path:
+            return False
+        fast = self._fast_layout(self.scales.new_zeros(1, self.in_features).float())
+        if fast is not None and drop_codes and cpu_kernels.from_packed(fast, self.out_features):
+            self._buffers["qweight"] = None
+            self._codes_dropped = True
+            cache = self._fast_cache
+            cache.tensors, cache.versions = (None, *cache.tensors[1:]), (0, *cache.versions[1:])
+        return fast is not None
+
+    @property
+    def fast_weight(self) -> FastWeight | None:
+        """The fast path's layout as built so far (None before the first CPU forward or
+        :meth:`build_fast_path`, or when the layout does not allow it)."""
+        return None if self._fast_cache is None else self._fast_cache.fast
 
     def _fast_layout(self, x: torch.Tensor) -> FastWeight | None:
         """The fast path's cached layout for x, or None when the reference path must run."""
-        if (
-            x.device.type != "cpu"
-            or x.dtype not in _KERNEL_DTYPES
-            or (x.requires_grad and torch.is_grad_enabled())
-            or self.qweight.device.type != "cpu"
-            or cpu_kernels.supported(self.bits, self.in_features, self.out_features, self.group_size) is None
-        ):
+        if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or (x.requires_grad and torch.is_grad_enabled()):
             return None
-        tensors = (self.qweight, self.qzeros, self.scales, self.g_idx)
-        key = (self.fast_dtype, *((t.data_ptr(), t._version) for t in tensors))
         cache = self._fast_cache
-        if cache is None or cache["key"] != key:
-            self._fast_cache = None  # the old layout's memory goes before the new one is built
+        if cache is not None and cache.fresh(self._buffers, self.fast_dtype):
+            return cache.fast
+        if self.__dict__.get("_codes_dropped"):
+            self._restore_codes()  # from the stale layout, whose codes are still the checkpoint's
+        self._fast_cache = None  # the old layout's memory goes before the new one is built
+        tensors = tuple(self._buffers[n] for n in _FastCache.NAMES)
+        fast = None
+        if self.qweight.device.type == "cpu" and cpu_kernels.supported(
+            self.bits, self.in_features, self.out_features, self.group_size
+        ):
             layer = {"scales": self.scales, "zeros": self.zeros(), "g_idx": self.g_idx}
             layer.update(bits=self.bits, group_size=self.group_size)
             codes = cpu_kernels.unpack_codes(self.qweight, self.bits, self.in_features) if 32 % self.bits == 0 else None
             fast = cpu_kernels.build(self.codes() if codes is None else codes, layer, self.fast_dtype)
-            cache = self._fast_cache = {"key": key, "fast": fast}
-        return cache["fast"]
+        self._fast_cache = _FastCache(self.fast_dtype, tensors, fast)
+        return fast
 
-    def dense_weight(self, fast: FastWeight) -> tuple[torch.Tensor, int]:
-        """The prefill path's weight, W.T [K, N] in ``fast_dtype`` (rows possibly in the packed
-        bytes' order: see cpu_kernels.dequantize), built for one call."""
-        return cpu_kernels.dequantize(fast, self.qweight, self.bits, self.codes)
-
-    def _forward_fast(self, x: torch.Tensor, fast: FastWeight) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
-        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def dense_weight(self, fast: FastWeight) -> torch.Tensor:
+        """The prefill path's weight, W.T [K, N] in ``fast_dtype``, rows in the kernels' channel
+        order (see cpu_kernels.dequantize), built for one call."""
+        return cpu_kernels.dequantize(fast, self.bits, self.out_features, self.codes)
 
     def extra_repr(self) -> str:
         return (
@@ -211,11 +288,12 @@ class QuantLinear(nn.Module):
         )
 
 
-def build_fast_paths(model: nn.Module) -> tuple[int, int]:
-    """Build every CPU QuantLinear's fast path now (optq.load does), then hand the temporaries'
-    memory back; returns (layers on the fast path, quantized layers)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.qweight.device.type == "cpu"]
-    fast = sum(m.build_fast_path() for m in layers)
+def build_fast_paths(model: nn.Module, *, drop_codes: bool = True) -> tuple[int, int]:
+    """Build every CPU QuantLinear's fast path now (optq.load does), freeing the checkpoint
+    codes they duplicate unless ``drop_codes=False`` (see :meth:`QuantLinear.build_fast_path`),
+    then hand the temporaries' memory back; returns (layers on the fast path, quantized layers)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scales.device.type == "cpu"]
+    fast = sum(m.build_fast_path(drop_codes) for m in layers)
     release_host_memory()  # the temporaries' heap pages, back to the system
     return fast, len(layers)
 

@@ -28,7 +28,7 @@ def test_saved_checkpoint_evaluates_like_the_in_memory_model(smollm2, enwiki, gp
     assert len(qlinears) == 210 and all(q.bits == 4 for q in qlinears)
 
     # optq.load built every layer's fast path (the int4 kernel's packed codes)
-    assert all(q._fast_cache is not None and q._fast_cache["fast"] is not None for q in qlinears)
+    assert all(q.fast_weight is not None for q in qlinears)
     for q in qlinears:
         q.use_fast_path = False  # unpack, dequantize in fp32, matmul
     exact_ppl = optq.perplexity(loaded, windows)

@@ -52,6 +52,7 @@ def test_dequantize_matches_solution_up_to_fp16_scales(bits: int, fmt: str) -> N
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 96])  # 1 and 3: the int4 kernel; 96: dequantize + matmul
+@pytest.mark.parametrize("n", [48, 128])  # 128: prefill reads the packed planes; 48 (not 64k): the codes
 @pytest.mark.parametrize(
     "k,group_size,act_order,static",
     [
@@ -63,17 +64,17 @@ def test_dequantize_matches_solution_up_to_fp16_scales(bits: int, fmt: str) -> N
     ],
 )
 def test_fast_path_equals_reference_to_bf16_precision(
-    bits: int, rows: int, k: int, group_size: int, act_order: bool, static: bool
+    bits: int, rows: int, n: int, k: int, group_size: int, act_order: bool, static: bool
 ) -> None:
-    sol = _solution(48, k, bits=bits, group_size=group_size, act_order=act_order, static_groups=static, sym=False)
-    q = QuantLinear.from_solution(sol, bias=torch.randn(48), checkpoint_format="gptq_v2")
+    sol = _solution(n, k, bits=bits, group_size=group_size, act_order=act_order, static_groups=static, sym=False)
+    q = QuantLinear.from_solution(sol, bias=torch.randn(n), checkpoint_format="gptq_v2")
     x = torch.randn(rows, k)
     ref = q.forward_reference(x)
     fast = q(x)
-    assert q._fast_cache is not None and q._fast_cache["fast"] is not None
+    assert q.fast_weight is not None
     assert ((fast - ref).abs() <= bf16_bound(x, q, ref)).all(), (fast - ref).abs().max()
     assert ((fast - ref).norm() / ref.norm()).item() < 1e-2
-    assert torch.equal(q(x.view(1, rows, k)), fast.view(1, rows, 48))  # leading dims are flattened
+    assert torch.equal(q(x.view(1, rows, k)), fast.view(1, rows, n))  # leading dims are flattened
     # fp32 compute (scalar kernels, exact layout check): agrees to float32 rounding
     q.fast_dtype = torch.float32
     assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
@@ -92,7 +93,7 @@ def test_fast_path_refused_when_layout_does_not_allow(n: int, k: int, bits: int,
     q = QuantLinear.from_solution(_solution(n, k, bits=bits, group_size=group_size))
     x = torch.randn(2, k)
     assert torch.equal(q(x), q.forward_reference(x))
-    assert q._fast_cache is None or q._fast_cache["fast"] is None
+    assert q.fast_weight is None
 
 
 def test_fast_cache_follows_buffer_changes() -> None:
@@ -164,7 +165,7 @@ def test_build_fast_paths_builds_every_layer_and_counts_them() -> None:
         QuantLinear.from_solution(_solution(32, 128, bits=4, group_size=32)),
         QuantLinear.from_solution(_solution(40, 128, bits=4, group_size=32)),  # 40 % 16: no kernel layout
     )
-    assert all(m._fast_cache is None for m in model)
+    assert all(m.fast_weight is None for m in model)
     assert build_fast_paths(model) == (1, 2)
-    assert model[0]._fast_cache["fast"] is not None
-    assert model[1]._fast_cache is None or model[1]._fast_cache["fast"] is None
+    assert model[0].fast_weight is not None
+    assert model[1].fast_weight is None

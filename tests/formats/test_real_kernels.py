@@ -87,3 +87,18 @@ def test_fast_and_exact_paths_generate_the_same_text(smol_checkpoint):
     print(f"\n{PROMPT!r} -> {tokenizer.decode(fast)!r}")
     assert len(fast) == TOKENS
     assert fast.tolist() == exact.tolist(), (tokenizer.decode(fast), tokenizer.decode(exact))
+
+
+def test_optq_load_holds_each_code_once_and_still_gives_back_the_checkpoint(smol_checkpoint):
+    from safetensors import safe_open
+
+    model = optq.load(smol_checkpoint)
+    named = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert named and all(m._buffers["qweight"] is None for m in named.values())  # dropped: the planes hold them
+    state = model.state_dict()
+    with safe_open(str(smol_checkpoint / "model.safetensors"), "pt") as f:
+        keys = [k for k in f.keys() if k.endswith(".qweight")]
+        assert len(keys) == len(named)
+        for key in keys:
+            assert torch.equal(state[key], f.get_tensor(key)), key  # rebuilt exactly, under the file's names
+    assert all(m._buffers["qweight"] is None for m in named.values())  # a state_dict does not keep them

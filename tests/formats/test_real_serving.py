@@ -116,7 +116,7 @@ def optq_run(smol_checkpoint, smol_tokens):
     qlinears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     with torch.no_grad():
         sequence = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
-        caches = [q._fast_cache for q in qlinears]  # built by the int4 path's first call
+        caches = [q.fast_weight for q in qlinears]  # built by optq.load
         fast = model(sequence).logits.float()
         for q in qlinears:
             q.use_fast_path = False
@@ -139,7 +139,7 @@ def test_optq_load_runs_every_layer_on_the_int4_path_and_generates(optq_run, smo
         for dtype in (torch.float32, torch.bfloat16):
             assert q._fast_layout(torch.zeros(1, q.in_features, dtype=dtype)) is not None, (q, dtype)
     # the generation ran the int4 kernel in every layer (its packed weight was built and kept)
-    assert all(c is not None and c["fast"] is not None for c in optq_run["caches"])
+    assert all(c is not None for c in optq_run["caches"])
     new = sequence[0, prompt.shape[1] :]
     text = tokenizer.decode(new, skip_special_tokens=True)
     print(f"\noptq.load generates: {PROMPT!r} -> {text!r}")
