@@ -9,12 +9,14 @@ runs in its own child process (so its RSS is that variant's alone), the variants
 - prefill: tokens/s of the first new token after a ``--prompt``-token prompt, through ``generate``
 - decode: tokens/s of the next ``--decode`` - 1 tokens (greedy, no early stop)
 - RSS: the process's resident memory after the run minus before loading (the loaded model,
-  its kernels' caches and the run's activations); tensors: the model's parameters and buffers
-  plus the fast path's packed codes
+  its kernels' caches, the run's activations and what the allocator kept of them; the model
+  alone: ``optq.load`` or ``from_pretrained``, no tokenizer); tensors: the model's parameters
+  and buffers plus the fast path's packed codes
 
 optq's checkpoints load with the embedding table and head in bfloat16 (``optq.load``'s default);
 the 4-bit one is also measured with them in fp32 and int8 (``optq.load(embeddings=...)``), with
-the perplexity of each storage (``--quality-windows`` enwiki windows of 512 tokens), and through
+the perplexity of each storage on every corpus (``--quality-windows`` windows of 512 tokens of
+each of ``--quality-texts``), and through
 transformers + GPTQModel 7.7's CPU kernel (bfloat16) where the tests' GPTQModel site is cached
 (``--no-gptqmodel`` skips it). The libraries (torch, transformers, optq, the model's code) are
 imported before the baseline RSS: the model, not the runtime, is measured.
@@ -61,10 +63,11 @@ t0 = time.perf_counter()
 extra = 0
 if spec["kind"] == "gptqmodel":
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.bfloat16, device_map="cpu").eval()
+elif spec["kind"] == "hf":
+    model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
 else:
-    from optq.data.zoo import load_model
     from optq.formats.qlinear import QuantLinear
-    model, _ = load_model(spec["folder"], embeddings=spec["embeddings"])  # builds the fast paths
+    model = optq.load(spec["folder"], embeddings=spec["embeddings"] or "bfloat16")  # builds the fast paths
     qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
     fast = sum(q.build_fast_path() for q in qs)
     assert fast == len(qs), f"{len(qs) - fast} layers off the fast path"
@@ -104,16 +107,22 @@ def _measure(spec: dict, site: Path | None) -> dict:
 QUALITY = """
 import json, sys, torch
 from optq.data.tokens import load_tokens
-from optq.data.zoo import load_model
+from optq.data.zoo import eval_bos_id, load_model
 from optq.eval.perplexity import perplexity_detail
-folder, windows = sys.argv[1], int(sys.argv[2])
+folder, windows, texts = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 out = {}
 for kind in ("model", "bfloat16", "int8"):
     model, tok = load_model(folder, embeddings=kind)  # fp32, optq.load's default, int8
-    tokens = load_tokens("enwiki", tok, "eval")
-    out[kind] = perplexity_detail(model, tokens, seqlen=512, windows=windows, progress=False).perplexity
+    bos = eval_bos_id(folder, tok, model.config)
+    out[kind] = {
+        text: perplexity_detail(
+            model, load_tokens(text, tok, "eval"), seqlen=512, windows=windows, bos_id=bos, progress=False
+        ).perplexity
+        for text in texts
+    }
 print(json.dumps(out))
 """
+TEXTS = "enwiki,debref-de,code,debref-en,debref-fr,debref-ja,debref-zh-cn,news"
 
 
 def _gptqmodel_site() -> Path | None:
@@ -132,7 +141,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quality-windows", type=int, default=20, help="0: skip the perplexity of the memory options")
+    ap.add_argument("--quality-windows", type=int, default=8, help="0: skip the perplexity of the memory options")
+    ap.add_argument("--quality-texts", default=TEXTS, help=f"corpora for it (default {TEXTS})")
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip transformers + GPTQModel")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -175,7 +185,9 @@ def main() -> int:
     quality = {}
     if args.quality_windows and 4 in bits:
         proc = subprocess.run(
-            [sys.executable, "-c", QUALITY, folders[4], str(args.quality_windows)], capture_output=True, text=True
+            [sys.executable, "-c", QUALITY, folders[4], str(args.quality_windows), args.quality_texts],
+            capture_output=True,
+            text=True,
         )
         quality = (
             json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
@@ -198,11 +210,12 @@ def main() -> int:
         speed = f"{b['prefill_tok_s']:13.1f} {b.get('prefill_x', 0):6.2f} {b['decode_tok_s']:12.1f}"
         print(f"{name:30s} {size} {speed} {b.get('decode_x', 0):6.2f}")
     if quality and "error" not in quality:
-        base = quality["model"]
-        print(
-            f"\n4-bit perplexity on enwiki ({args.quality_windows} x 512 tokens) by embedding storage (model = fp32): "
-            + ", ".join(f"{k} {v:.3f} ({100 * (v / base - 1):+.2f}%)" for k, v in quality.items())
-        )
+        print(f"\n4-bit perplexity ({args.quality_windows} x 512 tokens per text) by embedding and head storage")
+        print(f"{'text':14s} {'fp32':>9s} {'bfloat16':>17s} {'int8':>17s}")
+        for text, base in quality["model"].items():
+            ppl = [quality[k][text] for k in ("bfloat16", "int8")]
+            cells = [f"{p:9.3f} ({100 * (p / base - 1):+.2f}%)" for p in ppl]
+            print(f"{text:14s} {base:9.3f} {' '.join(cells)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "inference.json"
     payload = {
@@ -212,7 +225,7 @@ def main() -> int:
         "repeats": args.repeats,
         "seconds": round(time.perf_counter() - started, 1),
         "results": best,
-        "quality_enwiki": quality,
+        "quality": quality,
     }
     out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {out}")

@@ -161,7 +161,8 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     buf = buffers.get((shape, dtype))
     if buf is None:
-        buf = buffers[(shape, dtype)] = torch.empty(shape, dtype=dtype)
+        with torch.inference_mode(False):  # made under generate's inference mode, it could not be written outside it
+            buf = buffers[(shape, dtype)] = torch.empty(shape, dtype=dtype)
     return buf
 
 
@@ -265,8 +266,8 @@ def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None)
     if dense is not None:
         return x @ dense
     packed, scale_zero = fast.planes[0]
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero.contiguous())
     if len(fast.planes) == 2:
         packed, scale_zero = fast.planes[1]
-        y.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero))
+        y.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero.contiguous()))
     return y

@@ -61,13 +61,18 @@ class _FastCache:
 
     def __init__(self, dtype: torch.dtype, tensors: tuple[torch.Tensor | None, ...], fast: FastWeight | None) -> None:
         self.dtype, self.fast, self.tensors = dtype, fast, tensors
-        self.versions = tuple(0 if t is None else t._version for t in tensors)
+        self.versions = tuple(tensor_version(t) for t in tensors)
 
     def fresh(self, buffers: Mapping[str, torch.Tensor | None], dtype: torch.dtype) -> bool:
         for name, t, v in zip(self.NAMES, self.tensors, self.versions, strict=True):
-            if buffers[name] is not t or (t is not None and t._version != v):
+            if buffers[name] is not t or (t is not None and tensor_version(t) != v):
                 return False
         return dtype == self.dtype
+
+
+def tensor_version(t: torch.Tensor | None) -> int:
+    """In-place writes so far (0 for None; inference-mode tensors keep no counter: -1)."""
+    return 0 if t is None else -1 if t.is_inference() else t._version
 
 
 def _num_groups(in_features: int, group_size: int) -> int:
@@ -116,6 +121,7 @@ class QuantLinear(nn.Module):
         self.use_fast_path = True
         self.fast_dtype = torch.bfloat16
         self._fast_cache: _FastCache | None = None
+        self._fused: tuple[Any, int] | None = None  # (FusedGroup, index) once fused with its siblings
 
     @classmethod
     def from_solution(
@@ -188,7 +194,7 @@ class QuantLinear(nn.Module):
         self._codes_dropped = False
         cache = self._fast_cache
         cache.tensors = (qweight, *cache.tensors[1:])  # the same codes: the fast layout stays valid
-        cache.versions = (qweight._version, *cache.versions[1:])
+        cache.versions = (tensor_version(qweight), *cache.versions[1:])
         return qweight
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
@@ -219,13 +225,14 @@ class QuantLinear(nn.Module):
         fast = self._fast_layout(x) if self.use_fast_path else None
         if fast is None:
             return self.forward_reference(x)
-        x2 = x.reshape(-1, self.in_features)
-        dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
-        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype)
+        fused = self._fused
+        y = None if fused is None else fused[0].output(fused[1], fast, x)  # with its siblings (fused.py)
+        if y is None:
+            x2 = x.reshape(-1, self.in_features)
+            dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
+            y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype).view(*x.shape[:-1], self.out_features)
         bias = self._buffers["bias"]
-        if bias is not None:
-            y = y.add_(bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y.add_(bias)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Unpack, dequantize in x's dtype, matmul: valid for every width and g_idx."""
@@ -288,12 +295,18 @@ class QuantLinear(nn.Module):
         )
 
 
-def build_fast_paths(model: nn.Module, *, drop_codes: bool = True) -> tuple[int, int]:
+def build_fast_paths(model: nn.Module, *, drop_codes: bool = True, fuse: bool = True) -> tuple[int, int]:
     """Build every CPU QuantLinear's fast path now (optq.load does), freeing the checkpoint
-    codes they duplicate unless ``drop_codes=False`` (see :meth:`QuantLinear.build_fast_path`),
-    then hand the temporaries' memory back; returns (layers on the fast path, quantized layers)."""
+    codes they duplicate unless ``drop_codes=False`` (see :meth:`QuantLinear.build_fast_path`)
+    and running siblings that read one input as one call unless ``fuse=False``
+    (:mod:`optq.formats.fused`), then hand the temporaries' memory back; returns (layers on the
+    fast path, quantized layers)."""
+    from optq.formats.fused import fuse_siblings
+
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scales.device.type == "cpu"]
     fast = sum(m.build_fast_path(drop_codes) for m in layers)
+    if fuse:
+        fuse_siblings(model)
     release_host_memory()  # the temporaries' heap pages, back to the system
     return fast, len(layers)
 

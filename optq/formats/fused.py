@@ -1,0 +1,138 @@
+"""Sibling QuantLinears that read the same input run as one fast-path call.
+
+A transformer block feeds one tensor to its query, key and value projections and another to its
+gate and up projections. On the CPU fast path each call has a fixed cost (the activation's cast to
+bfloat16, the kernel's set-up, the module call), which at one token per step is most of a small
+layer's time; one call on the concatenated weight pays it once. :func:`fuse_siblings` finds such
+groups by name under each parent module (``q_proj/k_proj/v_proj``, ``gate_proj/up_proj``,
+``w1/w3``, ``query/key/value``) and concatenates their packed planes along the output channels;
+each member keeps views into the shared planes (no second copy), so it still runs alone, and its
+codes are still read back from them.
+
+The first member called with an input computes every member's output and keeps them until each
+member has taken its own; a member called with another input (or the same tensor changed in
+place; under inference mode, where tensors keep no write counter, by identity only: an in-place
+write between two siblings' calls would go unseen there, which transformers' blocks never do)
+computes again. Members are fused only when their kernel layouts agree: the same bits'
+plane count, kernel group, compute dtype and input-channel order (act-order sorts by the shared
+Hessian, so siblings share it), and packed planes that can be read back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from optq.formats import cpu_kernels
+from optq.formats.cpu_kernels import FastWeight
+from optq.formats.qlinear import QuantLinear, tensor_version
+
+__all__ = ["SIBLINGS", "FusedGroup", "fuse_siblings"]
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("query", "key", "value"))
+"""Child names whose modules read the same input, in the order a block calls them."""
+
+
+def _compatible(fasts: list[FastWeight], members: list[QuantLinear]) -> bool:
+    first = fasts[0]
+    for fast, member in zip(fasts, members, strict=True):
+        if (
+            len(fast.planes) != len(first.planes)
+            or fast.group != first.group
+            or fast.dtype != first.dtype
+            or member.in_features != members[0].in_features
+            or not cpu_kernels.from_packed(fast, member.out_features)
+            or (fast.perm is None) != (first.perm is None)
+            or (fast.perm is not None and not torch.equal(fast.perm, first.perm))
+        ):
+            return False
+    return True
+
+
+class FusedGroup:
+    """Members' fast layouts concatenated along the output channels, and the outputs of the
+    last input until every member has taken its own."""
+
+    def __init__(self, members: list[QuantLinear]) -> None:
+        fasts = [m.fast_weight for m in members]
+        assert all(f is not None for f in fasts)
+        first = fasts[0]
+        planes = []
+        for p in range(len(first.planes)):
+            packed = torch.cat([f.planes[p][0] for f in fasts], dim=0)  # [N, K/2]: whole 64-channel blocks
+            scale_zero = torch.cat([f.planes[p][1] for f in fasts], dim=1).contiguous()  # [K/kg, N, 2]
+            planes.append((packed, scale_zero))
+        if len(first.planes) == 1:
+            scale_zero = planes[0][1]
+        else:
+            scale_zero = torch.cat([f.scale_zero for f in fasts], dim=1).contiguous()
+        self.fast = FastWeight(first.dtype, first.group, planes, scale_zero, first.perm)
+        self.widths = [m.out_features for m in members]
+        self.bits = members[0].bits
+        self.bias = [m._buffers["bias"] for m in members]
+        starts = [sum(self.widths[:i]) for i in range(len(members))]
+        self.spans = [(s, s + w) for s, w in zip(starts, self.widths, strict=True)]
+        # each member's layout becomes views into the shared planes (its own copies are freed)
+        self.member_fast: list[FastWeight] = []
+        for m, (a, b) in zip(members, self.spans, strict=True):
+            own = FastWeight(
+                first.dtype,
+                first.group,
+                [(packed[a:b], sz[:, a:b]) for packed, sz in planes],
+                scale_zero[:, a:b],
+                first.perm,
+            )
+            m._fast_cache.fast = own
+            m._fused = (self, len(self.member_fast))
+            self.member_fast.append(own)
+        self._input: torch.Tensor | None = None
+        self._version = -1
+        self._outputs: list[torch.Tensor | None] = []
+
+    def nbytes(self) -> int:
+        """Bytes of the shared planes (the members' layouts are views into them)."""
+        return self.fast.nbytes()
+
+    def output(self, index: int, fast: FastWeight, x: torch.Tensor) -> torch.Tensor | None:
+        """Member ``index``'s output [..., N_i] for x (without bias: the caller adds it), or None
+        when its layout was rebuilt since fusing (then it runs alone)."""
+        if fast is not self.member_fast[index]:
+            return None
+        outputs = self._outputs
+        if x is not self._input or tensor_version(x) != self._version or outputs[index] is None:
+            x2 = x.reshape(-1, x.shape[-1])
+            n = self.spans[-1][1]
+            dense = None
+            if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits]:
+                dense = cpu_kernels.dequantize(self.fast, self.bits, n, _no_codes)
+            y = cpu_kernels.matmul(self.fast, x2, dense).to(x.dtype).view(*x.shape[:-1], n)
+            outputs = self._outputs = [y[..., a:b] for a, b in self.spans]
+            self._input, self._version = x, tensor_version(x)
+        out = outputs[index]
+        outputs[index] = None
+        if all(o is None for o in outputs):  # every member served: let go of the input
+            self._input = None
+        assert out is not None
+        return out
+
+
+def _no_codes() -> torch.Tensor:
+    raise AssertionError("a fused group's codes are always read from its packed planes")
+
+
+def fuse_siblings(model: nn.Module) -> int:
+    """Fuse every group of sibling QuantLinears whose fast layouts allow it (see the module's
+    description); returns the number of groups. Their layouts must be built first
+    (:func:`optq.formats.qlinear.build_fast_paths`)."""
+    groups = 0
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, QuantLinear) for m in members):
+                continue
+            fasts = [m.fast_weight for m in members]
+            if any(f is None for f in fasts) or not _compatible(fasts, members):
+                continue
+            FusedGroup(members)
+            groups += 1
+    return groups
