@@ -8,6 +8,9 @@ runs in its own child process (so its RSS is that variant's alone), the variants
 
 - prefill: tokens/s of the first new token after a ``--prompt``-token prompt, through ``generate``
 - decode: tokens/s of the next ``--decode`` - 1 tokens (greedy, no early stop)
+- unless ``--no-compile``: each of fp32 and optq's widths again with the decoding step
+  compiled (``optq generate --compile``: torch.compile, a static KV cache), after a warm-up of
+  the same shapes (its time: ``warmup_s``)
 - RSS: the process's resident memory after the run minus before loading (the loaded model,
   its kernels' caches, the run's activations and what the allocator kept of them; the model
   alone: ``optq.load`` or ``from_pretrained``, no tokenizer); tensors: the model's parameters
@@ -75,13 +78,22 @@ else:
 load_s, rss_load = time.perf_counter() - t0, rss_mb() - base
 ids = torch.randint(0, model.config.vocab_size, (1, spec["prompt"]))
 opts = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
+n = spec["decode"]
+t0 = time.perf_counter()
 with torch.inference_mode():
-    model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **opts)  # warm-up
+    if spec.get("compile"):  # the decoding step compiled; the warm-up has the run's shapes: one compilation
+        from optq.eval.speed import compiled_decoding
+        opts.update(compiled_decoding())
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **opts)
+    else:
+        model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **opts)
+    warmup_s = time.perf_counter() - t0
     clock = TokenClock()
     model.generate(ids, max_new_tokens=spec["decode"], min_new_tokens=spec["decode"], streamer=clock, **opts)
 tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
 print(json.dumps({
     "load_s": load_s,
+    "warmup_s": warmup_s,
     "prefill_tok_s": clock.prefill_tokens_per_s(spec["prompt"]),
     "decode_tok_s": clock.decode_tokens_per_s(),
     "rss_load_mb": rss_load,
@@ -144,6 +156,7 @@ def main() -> int:
     ap.add_argument("--quality-windows", type=int, default=8, help="0: skip the perplexity of the memory options")
     ap.add_argument("--quality-texts", default=TEXTS, help=f"corpora for it (default {TEXTS})")
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip transformers + GPTQModel")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from optq.data.corpora import cache_dir
@@ -157,6 +170,13 @@ def main() -> int:
     folders = {b: str(_checkpoint(args.model, b, work, extra)) for b in bits}
     variants = [{"name": "fp32", "kind": "hf", "folder": fp, "embeddings": None}]
     variants += [{"name": f"optq {b}-bit", "kind": "optq", "folder": folders[b], "embeddings": None} for b in bits]
+    if args.compile:  # the same, with the decoding step compiled (optq generate --compile)
+        compiled = [v for v in variants if v["kind"] in ("hf", "optq")]
+        if 4 in bits:
+            compiled.append(
+                {"name": "optq 4-bit, int8 embed", "kind": "optq", "folder": folders[4], "embeddings": "int8"}
+            )
+        variants += [{**v, "name": f"{v['name']}, compiled", "compile": True} for v in compiled]
     if 4 in bits:  # the embedding storage optq.load does not choose by default (it stores bfloat16)
         for kind in ("model", "int8"):
             name = f"optq 4-bit, {'fp32' if kind == 'model' else kind} embed"
@@ -180,7 +200,7 @@ def main() -> int:
             b = best.setdefault(v["name"], {**res, "folder": v["folder"]})
             for k in ("prefill_tok_s", "decode_tok_s"):
                 b[k] = max(b[k], res[k])
-            for k in ("rss_mb", "rss_load_mb", "load_s", "tensors_mb"):
+            for k in ("rss_mb", "rss_load_mb", "load_s", "warmup_s", "tensors_mb"):
                 b[k] = min(b[k], res[k])
     quality = {}
     if args.quality_windows and 4 in bits:

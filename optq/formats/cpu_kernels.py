@@ -50,6 +50,7 @@ __all__ = [
     "centred_codes",
     "codes_from_packed",
     "dequantize",
+    "dequantize_traced",
     "from_packed",
     "matmul",
     "packed_layout_known",
@@ -92,6 +93,7 @@ class FastWeight:
     planes: list[tuple[torch.Tensor, torch.Tensor]]
     scale_zero: torch.Tensor
     perm: torch.Tensor | None
+    readable: bool = False  # whether the planes' codes can be read back (:func:`from_packed`)
 
     def nbytes(self) -> int:
         """Bytes held beyond the checkpoint's own buffers."""
@@ -134,7 +136,8 @@ def build(codes: torch.Tensor, layer: Mapping[str, Any], dtype: torch.dtype) -> 
         planes = [(_pack(codes + int(8 - mid)), scale_zero)]
     else:
         planes = [(_pack(codes >> 4), sz(16.0 * s, s * (136.0 - z))), (_pack(codes & 15), sz(s, torch.zeros_like(s)))]
-    return FastWeight(dtype, kernel_group, planes, scale_zero, perm)
+    readable = n % _BLOCK_N == 0 and packed_layout_known()
+    return FastWeight(dtype, kernel_group, planes, scale_zero, perm, readable)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -198,8 +201,10 @@ def packed_layout_known() -> bool:
 
 
 def from_packed(fast: FastWeight, n: int) -> bool:
-    """Whether ``fast``'s packed codes can be read back (:func:`centred_codes`)."""
-    return n % _BLOCK_N == 0 and packed_layout_known()
+    """Whether ``fast``'s packed codes (n output channels) can be read back
+    (:func:`centred_codes`): decided when it was built, so that a compiled forward does not
+    run the layout check."""
+    return fast.readable and n % _BLOCK_N == 0
 
 
 def centred_codes(fast: FastWeight, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,6 +257,25 @@ def dequantize(fast: FastWeight, bits: int, n: int, codes: Callable[[], torch.Te
     out = _scratch(tuple(grouped.shape), dtype)
     torch.addcmul(m.unsqueeze(1), grouped, s.unsqueeze(1), out=out)
     return out.view(-1, n)
+
+
+def dequantize_traced(fast: FastWeight, n: int) -> torch.Tensor:
+    """:func:`dequantize` for a readable layout in plain tensor operations (no scratch buffers,
+    no ``out=``), for torch.compile, which fuses them into one loop."""
+    k = fast.planes[0][0].numel() * 2 // n
+
+    def nibbles(packed: torch.Tensor) -> torch.Tensor:
+        by_k = packed.view(torch.uint8).view(n // _BLOCK_N, k, _BLOCK_N // 2).permute(1, 0, 2)
+        return torch.stack([by_k & 15, by_k >> 4], dim=2).reshape(k, n)
+
+    codes = nibbles(fast.planes[0][0]).to(torch.int16)
+    if len(fast.planes) == 1:
+        centred = codes - 8
+    else:
+        centred = codes * 16 + nibbles(fast.planes[1][0]).to(torch.int16) - 128
+    s, m = fast.scale_zero.unbind(-1)
+    weight = centred.view(-1, fast.group, n).to(fast.dtype) * s.unsqueeze(1) + m.unsqueeze(1)
+    return weight.view(k, n)
 
 
 def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:

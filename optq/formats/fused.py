@@ -6,8 +6,9 @@ bfloat16, the kernel's set-up, the module call), which at one token per step is 
 layer's time; one call on the concatenated weight pays it once. :func:`fuse_siblings` finds such
 groups by name under each parent module (``q_proj/k_proj/v_proj``, ``gate_proj/up_proj``,
 ``w1/w3``, ``query/key/value``) and concatenates their packed planes along the output channels;
-each member keeps views into the shared planes (no second copy), so it still runs alone, and its
-codes are still read back from them.
+each member keeps views into the shared codes (no second copy) and its own scales, so it still
+runs alone (as under torch.compile, which sees no sibling bookkeeping), and its codes are still
+read back from them.
 
 The first member called with an input computes every member's output and keeps them until each
 member has taken its own; a member called with another input (or the same tensor changed in
@@ -66,21 +67,24 @@ class FusedGroup:
             scale_zero = planes[0][1]
         else:
             scale_zero = torch.cat([f.scale_zero for f in fasts], dim=1).contiguous()
-        self.fast = FastWeight(first.dtype, first.group, planes, scale_zero, first.perm)
+        self.fast = FastWeight(first.dtype, first.group, planes, scale_zero, first.perm, readable=True)
         self.widths = [m.out_features for m in members]
         self.bits = members[0].bits
         self.bias = [m._buffers["bias"] for m in members]
         starts = [sum(self.widths[:i]) for i in range(len(members))]
         self.spans = [(s, s + w) for s, w in zip(starts, self.widths, strict=True)]
-        # each member's layout becomes views into the shared planes (its own copies are freed)
+        # each member's codes become views into the shared planes (its own copies are freed); its
+        # scales stay its own, contiguous (a few percent of the codes' bytes), so that it also runs
+        # alone, and under torch.compile (whose int4 lowering wants a contiguous scale tensor)
         self.member_fast: list[FastWeight] = []
-        for m, (a, b) in zip(members, self.spans, strict=True):
+        for m, f, (a, b) in zip(members, fasts, self.spans, strict=True):
             own = FastWeight(
                 first.dtype,
                 first.group,
-                [(packed[a:b], sz[:, a:b]) for packed, sz in planes],
-                scale_zero[:, a:b],
+                [(packed[a:b], sz) for (packed, _), (_, sz) in zip(planes, f.planes, strict=True)],
+                f.scale_zero,
                 first.perm,
+                readable=True,
             )
             m._fast_cache.fast = own
             m._fused = (self, len(self.member_fast))
@@ -93,6 +97,15 @@ class FusedGroup:
         """Bytes of the shared planes (the members' layouts are views into them)."""
         return self.fast.nbytes()
 
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's output for x, side by side [..., sum N_i] in x's dtype (no bias)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        n = self.spans[-1][1]
+        dense = None
+        if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits]:
+            dense = cpu_kernels.dequantize(self.fast, self.bits, n, _no_codes)
+        return cpu_kernels.matmul(self.fast, x2, dense).to(x.dtype).view(*x.shape[:-1], n)
+
     def output(self, index: int, fast: FastWeight, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``index``'s output [..., N_i] for x (without bias: the caller adds it), or None
         when its layout was rebuilt since fusing (then it runs alone)."""
@@ -100,12 +113,7 @@ class FusedGroup:
             return None
         outputs = self._outputs
         if x is not self._input or tensor_version(x) != self._version or outputs[index] is None:
-            x2 = x.reshape(-1, x.shape[-1])
-            n = self.spans[-1][1]
-            dense = None
-            if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits]:
-                dense = cpu_kernels.dequantize(self.fast, self.bits, n, _no_codes)
-            y = cpu_kernels.matmul(self.fast, x2, dense).to(x.dtype).view(*x.shape[:-1], n)
+            y = self.compute(x)
             outputs = self._outputs = [y[..., a:b] for a, b in self.spans]
             self._input, self._version = x, tensor_version(x)
         out = outputs[index]

@@ -222,6 +222,8 @@ class QuantLinear(nn.Module):
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + bias`` in x's dtype (the fast CPU path when the layout allows)."""
+        if torch.compiler.is_compiling():
+            return self._forward_traced(x)
         fast = self._fast_layout(x) if self.use_fast_path else None
         if fast is None:
             return self.forward_reference(x)
@@ -233,6 +235,24 @@ class QuantLinear(nn.Module):
             y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype).view(*x.shape[:-1], self.out_features)
         bias = self._buffers["bias"]
         return y if bias is None else y.add_(bias)
+
+    def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
+        """Under torch.compile: the fast layout built at load, each layer alone (no cache
+        bookkeeping, no sibling fusion: plain tensor operations the compiler traces; measured,
+        three traced calls on a fused group's planes were not merged into one), else the
+        reference path."""
+        fast = self.fast_weight if self.use_fast_path and x.device.type == "cpu" else None
+        if fast is None:
+            return self.forward_reference(x)
+        x2 = x.reshape(-1, self.in_features)
+        dense = None
+        if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits]:
+            if not cpu_kernels.from_packed(fast, self.out_features):
+                return self.forward_reference(x)
+            dense = cpu_kernels.dequantize_traced(fast, self.out_features)
+        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        bias = self._buffers["bias"]
+        return y if bias is None else y + bias
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Unpack, dequantize in x's dtype, matmul: valid for every width and g_idx."""

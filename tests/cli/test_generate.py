@@ -62,3 +62,11 @@ def test_bad_arguments_are_refused(checkpoint, capsys, args, message):
 def test_a_missing_model_is_refused(tmp_path, capsys):
     code, _, err = _generate(capsys, str(tmp_path / "nothing"), PROMPT)
     assert code == 2 and "nothing" in err
+
+
+@pytest.mark.slow
+def test_compiled_decoding_generates_the_same_text(checkpoint, capsys):
+    _, eager, _ = _generate(capsys, str(checkpoint), PROMPT, "-n", "6")
+    code, compiled, err = _generate(capsys, str(checkpoint), PROMPT, "-n", "6", "--compile")
+    assert code == 0 and "compiled in " in err
+    assert compiled == eager

@@ -79,7 +79,7 @@ def test_a_member_changed_after_fusing_runs_alone_and_the_others_stay_right() ->
     assert torch.allclose(attn.q_proj(x), q_before, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_members_hold_views_and_give_back_their_codes() -> None:
+def test_fused_members_share_codes_and_give_them_back() -> None:
     attn = Attention()
     state = {k: v.clone() for k, v in attn.state_dict().items()}
     build_fast_paths(attn)  # codes dropped, then fused
@@ -90,6 +90,18 @@ def test_fused_members_hold_views_and_give_back_their_codes() -> None:
         assert m.fast_weight.planes[0][0].untyped_storage().data_ptr() == shared.untyped_storage().data_ptr()
     saved = attn.state_dict()
     assert all(torch.equal(saved[k], state[k]) for k in state)
+
+
+def test_members_run_alone_as_under_compile_from_their_own_view_of_the_planes() -> None:
+    from optq.formats import cpu_kernels
+
+    attn = Attention()
+    build_fast_paths(attn)
+    x = torch.randn(3, 192)
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        alone = cpu_kernels.matmul(m.fast_weight, x).float() + m.bias.float()
+        assert torch.allclose(alone, m(x), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(m._forward_traced(x), m(x), rtol=1e-5, atol=1e-5)
 
 
 def test_layers_whose_layouts_differ_are_not_fused() -> None:
