@@ -74,7 +74,8 @@ else:
     qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
     fast = sum(q.build_fast_path() for q in qs)
     assert fast == len(qs), f"{len(qs) - fast} layers off the fast path"
-    extra = sum(q.fast_weight.nbytes() for q in qs)
+    groups = {id(q._fused[0]): q._fused[0] for q in qs if q._fused is not None}  # fused siblings' scales
+    extra = sum(q.fast_weight.nbytes() for q in qs) + sum(g.nbytes() for g in groups.values())
 load_s, rss_load = time.perf_counter() - t0, rss_mb() - base
 ids = torch.randint(0, model.config.vocab_size, (1, spec["prompt"]))
 opts = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)

@@ -70,7 +70,6 @@ class FusedGroup:
         self.fast = FastWeight(first.dtype, first.group, planes, scale_zero, first.perm, readable=True)
         self.widths = [m.out_features for m in members]
         self.bits = members[0].bits
-        self.bias = [m._buffers["bias"] for m in members]
         starts = [sum(self.widths[:i]) for i in range(len(members))]
         self.spans = [(s, s + w) for s, w in zip(starts, self.widths, strict=True)]
         # each member's codes become views into the shared planes (its own copies are freed); its
@@ -94,8 +93,11 @@ class FusedGroup:
         self._outputs: list[torch.Tensor | None] = []
 
     def nbytes(self) -> int:
-        """Bytes of the shared planes (the members' layouts are views into them)."""
-        return self.fast.nbytes()
+        """Bytes the group holds beyond its members' layouts: its concatenated scales (the
+        members' codes are views into its planes and counted with them)."""
+        scales = {id(sz): sz for _, sz in self.fast.planes}
+        scales[id(self.fast.scale_zero)] = self.fast.scale_zero
+        return sum(t.nbytes for t in scales.values())
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output for x, side by side [..., sum N_i] in x's dtype (no bias)."""

@@ -156,3 +156,12 @@ def test_buffers_first_made_under_inference_mode_serve_outside_it() -> None:
     with torch.no_grad():
         outside = [m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
     assert all(torch.equal(a, b) for a, b in zip(inside, outside, strict=True))
+
+
+def test_a_groups_own_bytes_are_its_concatenated_scales() -> None:
+    attn = Attention()
+    build_fast_paths(attn)
+    group = attn.q_proj._fused[0]
+    members = (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert group.nbytes() == sum(m.fast_weight.scale_zero.nbytes for m in members)
+    assert sum(m.fast_weight.planes[0][0].nbytes for m in members) == group.fast.planes[0][0].nbytes
