@@ -13,8 +13,10 @@ import importlib
 import logging
 import os
 import pkgutil
+import signal
 import sys
 import traceback
+from typing import Any
 
 __all__ = ["main", "build_parser", "CliError", "check_text_source"]
 
@@ -115,7 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Building the parser imports every subcommand (torch among them: about a second), so a
         # Ctrl-C can come before the command runs: it ends as cleanly as one during the command.
-        parser = build_parser()
+        # A library's import may catch the KeyboardInterrupt (a bare ``except:`` around an
+        # optional import) and carry on: the Ctrl-C is also recorded, and counts all the same.
+        seen: list[int] = []
+
+        def on_sigint(signum: int, frame: object) -> None:
+            seen.append(signum)
+            raise KeyboardInterrupt
+
+        previous = _set_sigint(on_sigint)
+        try:
+            parser = build_parser()
+        finally:
+            _set_sigint(previous)
+        if seen:
+            raise KeyboardInterrupt
         try:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help, --version, or argparse's own usage error (printed)
@@ -124,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("optq: interrupted", file=sys.stderr)
         return 130
+
+
+def _set_sigint(handler: Any) -> Any:
+    """Install a SIGINT handler, returning the previous one (None, and nothing done, off the main
+    thread, where Python cannot set handlers, or when the previous one was not set from Python)."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        return None
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

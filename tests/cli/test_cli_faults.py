@@ -115,3 +115,22 @@ def test_a_built_in_model_not_fetched_says_so_once(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(stream, "local_folder", missing)
     assert main(["quantize", "gemma3-270m", "-o", str(tmp_path / "q")]) == 2
     assert _one_line(capsys) == f"optq: error: {why}"  # the zoo's hint, not wrapped in a second one
+
+
+def test_ctrl_c_swallowed_by_a_library_while_the_parser_builds_still_interrupts(monkeypatch, capsys):
+    real = cli.build_parser
+    built = []
+
+    def parser_with_a_careless_import():
+        try:  # what an optional import's bare except does to a Ctrl-C that lands in it
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # the handler runs here, raising KeyboardInterrupt
+        except BaseException:
+            pass
+        built.append(True)
+        return real()
+
+    monkeypatch.setattr(cli, "build_parser", parser_with_a_careless_import)
+    assert main(["quantize", "--help"]) == 130
+    assert built and capsys.readouterr().err.strip() == "optq: interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
