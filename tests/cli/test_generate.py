@@ -43,7 +43,21 @@ def test_sampling_is_seeded_and_fp_folders_work(model_dir, checkpoint, capsys):
     runs = [_generate(capsys, str(checkpoint), PROMPT, "-n", "8", "--sample", "--seed", str(s))[1] for s in (1, 1, 2)]
     assert runs[0] == runs[1]
     code, out, err = _generate(capsys, str(model_dir / "model"), PROMPT, "-n", "2", "--embeddings", "bfloat16")
-    assert code == 0 and "no quantized layers; embeddings: bfloat16" in err
+    assert code == 0 and "no quantized layers; float32, embeddings: bfloat16" in err
+
+
+def test_a_bfloat16_model_generates(checkpoint, capsys):
+    import torch
+
+    from optq.data.zoo import load_model
+    from optq.formats.qlinear import QuantLinear
+
+    code, out, err = _generate(capsys, str(checkpoint), PROMPT, "-n", "4", "--dtype", "bfloat16")
+    assert code == 0 and out.startswith(PROMPT) and "bfloat16, embeddings: bfloat16" in err
+    model = load_model(str(checkpoint), dtype=torch.bfloat16)[0]  # what --dtype asks for reaches the checkpoint
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(p.dtype == torch.bfloat16 for p in norms)
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize(

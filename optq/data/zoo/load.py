@@ -157,7 +157,7 @@ def load_model(
     if isinstance(where, Path) and _gptq_folder(where):
         from optq.formats import checkpoint
 
-        model = checkpoint.load(str(where), embeddings=embeddings or "bfloat16")
+        model = checkpoint.load(str(where), dtype=dtype or torch.float32, embeddings=embeddings or "bfloat16")
         model = model.to(device)
     else:
         from optq.formats.compact import compact_embeddings
