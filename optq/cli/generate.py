@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
     clock = TokenClock(TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
     options: dict = {"max_new_tokens": args.max_new_tokens, "streamer": clock, "pad_token_id": tokenizer.eos_token_id}
     if args.sample:
-        torch.manual_seed(args.seed)
         options.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
         options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -101,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
             quiet = {**options, "streamer": None, "min_new_tokens": args.max_new_tokens}
             model.generate(ids, attention_mask=torch.ones_like(ids), **quiet)  # the same shapes: compiles once
             warmup = f"; compiled in {time.perf_counter() - started:.1f} s"
+        if args.sample:
+            torch.manual_seed(args.seed)  # here: a compiling warm-up draws from the generator too
         print(args.prompt, end="", flush=True)
         clock.restart()
         model.generate(ids, attention_mask=torch.ones_like(ids), **options)

@@ -84,3 +84,9 @@ def test_compiled_decoding_generates_the_same_text(checkpoint, capsys):
     code, compiled, err = _generate(capsys, str(checkpoint), PROMPT, "-n", "6", "--compile")
     assert code == 0 and "compiled in " in err
     assert compiled == eager
+    # sampled: the seed is set after the compiling warm-up, so the same seed gives the same text
+    sampled = [
+        _generate(capsys, str(checkpoint), PROMPT, "-n", "6", "--sample", "--seed", "3", *extra)[1]
+        for extra in ((), ("--compile",))
+    ]
+    assert sampled[0] == sampled[1]
