@@ -119,13 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C can come before the command runs: it ends as cleanly as one during the command.
         # A library's import may catch the KeyboardInterrupt (a bare ``except:`` around an
         # optional import) and carry on: the Ctrl-C is also recorded, and counts all the same.
+        # Only over Python's own handler: a process started with SIGINT ignored (``nohup ... &``)
+        # or with a handler of its caller's keeps it.
         seen: list[int] = []
 
         def on_sigint(signum: int, frame: object) -> None:
             seen.append(signum)
             raise KeyboardInterrupt
 
-        previous = _set_sigint(on_sigint)
+        ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        previous = _set_sigint(on_sigint) if ours else None
         try:
             parser = build_parser()
         finally:

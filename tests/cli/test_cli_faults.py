@@ -79,6 +79,9 @@ def test_ctrl_c_in_the_first_second_of_a_real_process(model_dir, tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # as from a terminal: a test runner started in the background has SIGINT ignored, which the
+        # child would inherit (Python then installs no handler and a Ctrl-C does nothing)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Interrupt once torch is being loaded (its library mapped): inside the parser's imports on a
     # machine of any speed, where the old code let the KeyboardInterrupt out as a traceback.
@@ -131,6 +134,15 @@ def test_ctrl_c_swallowed_by_a_library_while_the_parser_builds_still_interrupts(
         return real()
 
     monkeypatch.setattr(cli, "build_parser", parser_with_a_careless_import)
-    assert main(["quantize", "--help"]) == 130
-    assert built and capsys.readouterr().err.strip() == "optq: interrupted"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a runner may have it ignored
+    try:
+        assert main(["quantize", "--help"]) == 130
+        assert built and capsys.readouterr().err.strip() == "optq: interrupted"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+        # started with SIGINT ignored (nohup, a background job), optq leaves it so
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        monkeypatch.setattr(cli, "build_parser", real)
+        assert main(["quantize", "--help"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
