@@ -96,9 +96,12 @@ class FastWeight:
     readable: bool = False  # whether the planes' codes can be read back (:func:`from_packed`)
 
     def nbytes(self) -> int:
-        """Bytes held beyond the checkpoint's own buffers."""
-        tensors = [t for p in self.planes for t in p] + [self.scale_zero]
-        return sum(t.numel() * t.element_size() for t in tensors) + (0 if self.perm is None else self.perm.nbytes)
+        """Bytes of the layout's tensors, each counted once (below 8 bits the plane's scales are
+        ``scale_zero`` itself)."""
+        tensors = {
+            id(t): t for t in [*(t for p in self.planes for t in p), self.scale_zero, self.perm] if t is not None
+        }
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def build(codes: torch.Tensor, layer: Mapping[str, Any], dtype: torch.dtype) -> FastWeight | None:

@@ -86,6 +86,8 @@ def test_fast_path_holds_half_a_byte_per_weight_below_8_bits() -> None:
         fast = q._fast_layout(torch.zeros(1, 256))
         assert fast is not None and len(fast.planes) == planes
         assert sum(p[0].numel() * p[0].element_size() for p in fast.planes) == planes * 64 * 256 // 2
+        scales = (256 // fast.group) * 64 * 2 * 2  # S and M per kernel group and output, bfloat16
+        assert fast.nbytes() == planes * 64 * 256 // 2 + scales * (1 if planes == 1 else 3)
 
 
 @pytest.mark.parametrize("n,k,bits,group_size", [(40, 128, 4, 32), (48, 96, 4, 48), (48, 96, 3, 48)])
