@@ -115,3 +115,17 @@ def assert_on_static_grid(
     assert torch.equal(sol.zeros.long(), torch.full((rows, groups), zero)), name
     torch.testing.assert_close(sol.scales.double(), scale, rtol=1e-6, atol=0, msg=name)
     assert torch.equal(sol.codes.long(), codes.long()), name
+
+
+def stack_head(model: nn.Module, W: torch.Tensor) -> str:
+    """The one linear of ``model`` whose (still unquantized) weight heads a stacked group weight
+    ``W`` the pipeline hands its solver: same input width, W's first rows equal to its weight."""
+    heads = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and m.weight.shape[1] == W.shape[1]
+        and torch.equal(m.weight, W[: m.weight.shape[0]])
+    ]
+    assert len(heads) == 1, heads
+    return heads[0]

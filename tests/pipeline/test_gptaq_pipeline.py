@@ -16,7 +16,7 @@ import optq
 from optq.core import gptaq as gptaq_mod
 
 pytest.importorskip("transformers")
-from tiny import CFG, tokens  # noqa: E402
+from tiny import CFG, stack_head, tokens  # noqa: E402
 from tiny import run as _run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,15 +61,7 @@ def recording(monkeypatch, model: torch.nn.Module) -> list:
     seen, real = [], gptaq_mod.gptaq_with_floor
 
     def record(W, H, C, cfg, **kw):
-        heads = [
-            n
-            for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)
-            and m.weight.shape[1] == W.shape[1]
-            and torch.equal(m.weight, W[: m.weight.shape[0]])
-        ]
-        assert len(heads) == 1, heads
-        seen.append((heads[0], H.clone(), C.clone(), {k: v.clone() for k, v in model.state_dict().items()}))
+        seen.append((stack_head(model, W), H.clone(), C.clone(), {k: v.clone() for k, v in model.state_dict().items()}))
         return real(W, H, C, cfg, **kw)
 
     monkeypatch.setattr(gptaq_mod, "gptaq_with_floor", record)

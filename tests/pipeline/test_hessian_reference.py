@@ -20,7 +20,7 @@ import torch
 from optq.core import solver
 
 pytest.importorskip("transformers")
-from tiny import CFG, build, tokens  # noqa: E402
+from tiny import CFG, build, stack_head, tokens  # noqa: E402
 from tiny import run as _run  # noqa: E402
 
 GROUPS = ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"]  # first of each group
@@ -74,18 +74,10 @@ def test_every_hessian_matches_a_whole_model_forward(monkeypatch, normalize_toke
     real = solver.gptq
 
     def record(W, H, cfg):
-        # Which linear heads this group: the stacked W starts with its (still unquantized) rows.
-        heads = [
-            n
-            for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)
-            and m.weight.shape[1] == W.shape[1]
-            and torch.equal(m.weight, W[: m.weight.shape[0]])
-        ]
-        assert len(heads) == 1, heads
+        head = stack_head(model, W)  # which linear heads this group
         # The model's state at this moment is the one the pipeline calibrated this group from.
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        seen.append((heads[0], tuple(W.shape), H.clone(), state))
+        seen.append((head, tuple(W.shape), H.clone(), state))
         return real(W, H, cfg)
 
     monkeypatch.setattr(solver, "gptq", record)
@@ -126,14 +118,7 @@ def test_calibration_statistics_match_a_whole_model_forward(monkeypatch):
     real = solver.gptq
 
     def record(W, H, cfg):
-        heads = [
-            n
-            for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)
-            and m.weight.shape[1] == W.shape[1]
-            and torch.equal(m.weight, W[: m.weight.shape[0]])
-        ]
-        states[heads[0]] = {k: v.clone() for k, v in model.state_dict().items()}
+        states[stack_head(model, W)] = {k: v.clone() for k, v in model.state_dict().items()}
         return real(W, H, cfg)
 
     monkeypatch.setattr(solver, "gptq", record)
