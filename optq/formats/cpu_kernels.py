@@ -52,6 +52,7 @@ __all__ = [
     "dequantize",
     "dequantize_traced",
     "from_packed",
+    "linear",
     "matmul",
     "packed_layout_known",
     "supported",
@@ -279,6 +280,15 @@ def dequantize_traced(fast: FastWeight, n: int) -> torch.Tensor:
     s, m = fast.scale_zero.unbind(-1)
     weight = centred.view(-1, fast.group, n).to(fast.dtype) * s.unsqueeze(1) + m.unsqueeze(1)
     return weight.view(k, n)
+
+
+def linear(fast: FastWeight, x: torch.Tensor, bits: int, n: int, dense: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``x [..., K] @ W.T`` as [..., n] in x's dtype (no bias): the int4 kernel below
+    :data:`PREFILL_ROWS` rows, else ``dense()``'s dequantized weight (:func:`dequantize` or, under
+    torch.compile, :func:`dequantize_traced`) with bfloat16 matmul."""
+    x2 = x.reshape(-1, x.shape[-1])
+    weight = dense() if x2.shape[0] >= PREFILL_ROWS[bits] else None
+    return matmul(fast, x2, weight).to(x.dtype).view(*x.shape[:-1], n)
 
 
 def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:

@@ -101,12 +101,10 @@ class FusedGroup:
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """Every member's output for x, side by side [..., sum N_i] in x's dtype (no bias)."""
-        x2 = x.reshape(-1, x.shape[-1])
         n = self.spans[-1][1]
-        dense = None
-        if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits]:
-            dense = cpu_kernels.dequantize(self.fast, self.bits, n, _no_codes)
-        return cpu_kernels.matmul(self.fast, x2, dense).to(x.dtype).view(*x.shape[:-1], n)
+        return cpu_kernels.linear(
+            self.fast, x, self.bits, n, lambda: cpu_kernels.dequantize(self.fast, self.bits, n, _no_codes)
+        )
 
     def output(self, index: int, fast: FastWeight, x: torch.Tensor) -> torch.Tensor | None:
         """Member ``index``'s output [..., N_i] for x (without bias: the caller adds it), or None

@@ -230,9 +230,7 @@ class QuantLinear(nn.Module):
         fused = self._fused
         y = None if fused is None else fused[0].output(fused[1], fast, x)  # with its siblings (fused.py)
         if y is None:
-            x2 = x.reshape(-1, self.in_features)
-            dense = self.dense_weight(fast) if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits] else None
-            y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype).view(*x.shape[:-1], self.out_features)
+            y = cpu_kernels.linear(fast, x, self.bits, self.out_features, lambda: self.dense_weight(fast))
         bias = self._buffers["bias"]
         return y if bias is None else y.add_(bias)
 
@@ -244,13 +242,11 @@ class QuantLinear(nn.Module):
         fast = self.fast_weight if self.use_fast_path and x.device.type == "cpu" else None
         if fast is None:
             return self.forward_reference(x)
-        x2 = x.reshape(-1, self.in_features)
-        dense = None
-        if x2.shape[0] >= cpu_kernels.PREFILL_ROWS[self.bits]:
-            if not cpu_kernels.from_packed(fast, self.out_features):
-                return self.forward_reference(x)
-            dense = cpu_kernels.dequantize_traced(fast, self.out_features)
-        y = cpu_kernels.matmul(fast, x2, dense).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        n = self.out_features
+        rows = x.numel() // self.in_features
+        if rows >= cpu_kernels.PREFILL_ROWS[self.bits] and not cpu_kernels.from_packed(fast, n):
+            return self.forward_reference(x)  # prefill needs a readable layout here
+        y = cpu_kernels.linear(fast, x, self.bits, n, lambda: cpu_kernels.dequantize_traced(fast, n))
         bias = self._buffers["bias"]
         return y if bias is None else y + bias
 
