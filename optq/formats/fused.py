@@ -7,8 +7,9 @@ layer's time; one call on the concatenated weight pays it once. :func:`fuse_sibl
 groups by name under each parent module (``q_proj/k_proj/v_proj``, ``gate_proj/up_proj``,
 ``w1/w3``, ``query/key/value``) and concatenates their packed planes along the output channels;
 each member keeps views into the shared codes (no second copy) and its own scales, so it still
-runs alone (as under torch.compile, which sees no sibling bookkeeping), and its codes are still
-read back from them.
+runs alone (as at a compiled prefill, which dequantizes each member's codes), and its codes are
+still read back from them. Under torch.compile, decoding steps trace through
+:meth:`FusedGroup.traced_output`: one kernel call for the group there too.
 
 The first member called with an input computes every member's output and keeps them until each
 member has taken its own; a member called with another input (or the same tensor changed in
@@ -91,6 +92,8 @@ class FusedGroup:
         self._input: torch.Tensor | None = None
         self._version = -1
         self._outputs: list[torch.Tensor | None] = []
+        self._traced_input: torch.Tensor | None = None
+        self._traced_outputs: tuple[torch.Tensor | None, ...] = (None,) * len(members)
 
     def nbytes(self) -> int:
         """Bytes the group holds beyond its members' layouts: its concatenated scales (the
@@ -120,6 +123,26 @@ class FusedGroup:
         outputs[index] = None
         if all(o is None for o in outputs):  # every member served: let go of the input
             self._input = None
+        assert out is not None
+        return out
+
+    def traced_output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s output for x (no bias) as torch.compile traces it: the first member
+        computes the group's product, the others take their slices from the traced state (in
+        the graph the compiler sees the same tensors, so one kernel call), and the last one
+        served empties the state again, so that the state a compiled call starts from is always
+        the same (no recompilation) and no tensor is held between calls. By identity only, like
+        :meth:`output` under inference mode; the layout is the group's, built at fusing."""
+        outputs = self._traced_outputs
+        if x is not self._traced_input or outputs[index] is None:
+            y = cpu_kernels.linear(self.fast, x, self.bits, self.spans[-1][1], _no_codes)
+            outputs = tuple(y[..., a:b] for a, b in self.spans)
+            self._traced_input = x
+        out = outputs[index]
+        outputs = tuple(None if i == index else o for i, o in enumerate(outputs))
+        if all(o is None for o in outputs):
+            self._traced_input = None
+        self._traced_outputs = outputs
         assert out is not None
         return out
 

@@ -235,10 +235,11 @@ class QuantLinear(nn.Module):
         return y if bias is None else y.add_(bias)
 
     def _forward_traced(self, x: torch.Tensor) -> torch.Tensor:
-        """Under torch.compile: the fast layout built at load, each layer alone (no cache
-        bookkeeping, no sibling fusion: plain tensor operations the compiler traces; measured,
-        three traced calls on a fused group's planes were not merged into one), else the
-        reference path."""
+        """Under torch.compile: the fast layout built at load, else the reference path. Plain
+        tensor operations the compiler traces (no cache bookkeeping); a fused member below the
+        prefill threshold takes its slice of the group's one kernel call (``traced_output``:
+        three traced calls on the group's planes were not merged by the compiler, measured), at
+        prefill each member dequantizes its own codes."""
         fast = self.fast_weight if self.use_fast_path and x.device.type == "cpu" else None
         if fast is None:
             return self.forward_reference(x)
@@ -246,7 +247,12 @@ class QuantLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows >= cpu_kernels.PREFILL_ROWS[self.bits] and not cpu_kernels.from_packed(fast, n):
             return self.forward_reference(x)  # prefill needs a readable layout here
-        y = cpu_kernels.linear(fast, x, self.bits, n, lambda: cpu_kernels.dequantize_traced(fast, n))
+        fused = self._fused
+        decode = rows < cpu_kernels.PREFILL_ROWS[self.bits]
+        if decode and fused is not None and fused[0].member_fast[fused[1]] is fast:
+            y = fused[0].traced_output(fused[1], x)
+        else:
+            y = cpu_kernels.linear(fast, x, self.bits, n, lambda: cpu_kernels.dequantize_traced(fast, n))
         bias = self._buffers["bias"]
         return y if bias is None else y + bias
 
