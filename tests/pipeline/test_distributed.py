@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipeline.spawned import leave
+from pipeline.spawned import folder_tensors, leave, stream_worker
 
 import optq
 
@@ -199,46 +199,7 @@ def test_solutions_travel_as_tensors_from_their_rank_not_as_pickled_objects(tmp_
         assert t["pickled_solutions"] == 0 and t["objects"] < t["weights"], t  # rows, not weights
 
 
-def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bool) -> None:
-    import datetime
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30)
-    )
-    from optq.pipeline.stream.journal import Journal
-    from optq.pipeline.stream.quantize import quantize_pretrained
-
-    if kill and rank == 0:
-        real = Journal.write_block
-
-        def write_block(self, i, tensors):
-            real(self, i, tensors)
-            if i == 1:
-                os._exit(1)  # a kill: no exception, no clean-up, the other rank is left waiting
-
-        Journal.write_block = write_block
-    try:
-        quantize_pretrained(
-            src,
-            dst,
-            _ids(),
-            CFG,
-            progress=False,
-            batch_size=2,
-            hessian_dtype="float64",
-            resume=not kill,
-            max_shard_size=20_000,
-        )
-    except BaseException as exc:  # noqa: BLE001
-        Path(f"{out}/error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
-    finally:
-        leave()
-
-
 def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tmp_path):
-    from safetensors.torch import load_file
-
     from optq.pipeline.stream.quantize import quantize_pretrained
 
     model = _model("llama")
@@ -263,21 +224,14 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
     args = (str(tmp_path / "src"), str(tmp_path / "two"), str(out))
     # Rank 0 dies after writing block 1; the launcher (spawn here, torchrun alike) stops rank 1.
     with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with exit code 1"):
-        mp.spawn(_stream_worker, args=(str(tmp_path / "store1"), *args, True), nprocs=WORLD)
+        mp.spawn(stream_worker, args=(WORLD, str(tmp_path / "store1"), *args, True, "gptq"), nprocs=WORLD)
     assert not (tmp_path / "two").exists() and (tmp_path / "two.partial").is_dir()
     left = {p.name for p in (tmp_path / "two.partial").glob("activations-*")}
     assert {"activations-00001.rank0.safetensors", "activations-00001.rank1.safetensors"} <= left
     assert json.loads((tmp_path / "two.partial" / "state.json").read_text())["done"] == 1
-    mp.spawn(_stream_worker, args=(str(tmp_path / "store2"), *args, False), nprocs=WORLD)
+    mp.spawn(stream_worker, args=(WORLD, str(tmp_path / "store2"), *args, False, "gptq"), nprocs=WORLD)
     assert not (out / "error0.txt").exists()
-
-    def tensors(folder):
-        got = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            got.update(load_file(str(f)))
-        return got
-
-    a, b = tensors(tmp_path / "one"), tensors(tmp_path / "two")
+    a, b = folder_tensors(tmp_path / "one"), folder_tensors(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -5,9 +5,7 @@ in RAM or offloaded), a streamed mixture of experts, and two processes under tor
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from pipeline.resume_helpers import Kill, after_write_block, journal_state
-from pipeline.spawned import leave
+from pipeline.spawned import folder_tensors, leave, stream_worker
 from safetensors.torch import load_file
 
 import optq
@@ -156,36 +154,6 @@ def test_two_processes_equal_one(arch, tmp_path):
         assert r0["layers"][name]["objective"] == pytest.approx(row["objective"], rel=1e-6)
 
 
-def _stream_worker(rank: int, store: str, src: str, dst: str, out: str, kill: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=180)
-    )
-    from optq.pipeline.stream.journal import Journal
-    from optq.pipeline.stream.quantize import quantize_pretrained
-
-    if kill and rank == 0:
-        real = Journal.write_block
-
-        def write_block(self, i, tensors):
-            real(self, i, tensors)
-            if i == 1:
-                os._exit(1)  # a kill: no exception, no clean-up, the other rank is left waiting
-
-        Journal.write_block = write_block
-    try:
-        quantize_pretrained(
-            src, dst, _ids(), CFG, progress=False, batch_size=2, hessian_dtype="float64", resume=not kill,
-            max_shard_size=20_000, method="gptaq",
-        )  # fmt: skip
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        Path(f"{out}/error{rank}.txt").write_text(traceback.format_exc())
-    finally:
-        leave()
-
-
 def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -206,19 +174,16 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
     killed.mkdir(), resumed.mkdir()
     src, dst = str(tmp_path / "src"), str(tmp_path / "two")
     with pytest.raises(mp.ProcessExitedException, match="process 0 terminated with exit code 1"):
-        mp.spawn(_stream_worker, args=(str(tmp_path / "store1"), src, dst, str(killed), True), nprocs=WORLD)
+        mp.spawn(
+            stream_worker, args=(WORLD, str(tmp_path / "store1"), src, dst, str(killed), True, "gptaq"), nprocs=WORLD
+        )
     partial = tmp_path / "two.partial"
     for rank in range(WORLD):  # each rank journaled its own share of both chains
         acts = load_file(str(partial / f"activations-00001.rank{rank}.safetensors"))
         assert sorted(acts) == ["000000", "000001", "fp.000000", "fp.000001"]
-    mp.spawn(_stream_worker, args=(str(tmp_path / "store2"), src, dst, str(resumed), False), nprocs=WORLD)
+    mp.spawn(
+        stream_worker, args=(WORLD, str(tmp_path / "store2"), src, dst, str(resumed), False, "gptaq"), nprocs=WORLD
+    )
     assert not list(resumed.glob("error*.txt")), [e.read_text() for e in resumed.glob("error*.txt")]
-
-    def tensors(folder):
-        got = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            got.update(load_file(str(f)))
-        return got
-
-    a, b = tensors(tmp_path / "one"), tensors(tmp_path / "two")
+    a, b = folder_tensors(tmp_path / "one"), folder_tensors(tmp_path / "two")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
