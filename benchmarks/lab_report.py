@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lab_report_calibration import claim5, claim6, claim7
+from lab_report_defaults import defaults_section
 from lab_tables import CORPORA, by_bits, md_table, ppl_row, pyplot, save_svg
 
 
@@ -262,8 +263,9 @@ that the lab's {len(data.get("runs", {}))} runs fit in a session: they took
 its usual matmul speed and shared with other jobs. Evaluation: the first {s["windows"]} held-out windows of
 {s["seqlen"]} tokens of {", ".join(s["corpora"])}. Base settings 4-bit, group 128, symmetric,
 act-order with static groups, token-normalised Hessians, damping 0.01, propagation through the
-quantized model. Machine: {m.get("platform", "?")}, {m.get("threads", "?")} threads, torch
-{m.get("torch", "?")}.
+quantized model, H not shrunk toward its diagonal (plain GPTQ's H: the lab reproduces the method's
+claims; section 8 chooses optq's default, which shrinks it).
+Machine: {m.get("platform", "?")}, {m.get("threads", "?")} threads, torch {m.get("torch", "?")}.
 """
     ]
     for k, fn in CLAIMS.items():
@@ -272,6 +274,7 @@ quantized model. Machine: {m.get("platform", "?")}, {m.get("threads", "?")} thre
             parts.append(fn(data[f"claim{k}"], docs / "lab", **extra))
         else:
             parts.append(f"## {k}. (not run yet: `python benchmarks/lab.py --claims {k}`)\n")
+    parts.append(defaults_section(Path(__file__).resolve().parent / "results", docs))
     path = docs / "lab.md"
     path.write_text("\n".join(parts))
     return path

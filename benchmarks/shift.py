@@ -11,8 +11,9 @@ calibration: they are measured once per (model, bits, group, text, seqlen, windo
 A calibration source is a named corpus (``enwiki``, ``debref-de``, ``code``) or a mixture
 written with ``+`` (``enwiki+debref-de+code``: equal shares of --nsamples,
 ``optq.data.tokens.mixed_calibration``). A candidate is a GPTQ variant in ``optq compare``'s
-grammar (``optq.eval.compare.VARIANT_HELP``): ``gptq`` (today's defaults), ``gptq+shrink0.5``
-(H shrunk halfway toward its diagonal), ``gptq+damp0.1``, ``gptq+mse``, ``gptq+shrink0.5+mse``;
+grammar (``optq.eval.compare.VARIANT_HELP``), GPTQ or GPTAQ: ``gptq+shrink0`` (plain GPTQ),
+``gptq+shrink0.5`` (H shrunk halfway toward its diagonal: optq's default), ``gptq+shrink0+damp0.1``,
+``gptq+shrink0.5+mse``, ``gptaq+shrink0.5``; a bare ``gptq`` is optq's defaults of the day;
 and shift's own ``+lw``: each layer's shrink chosen from its calibration statistics
 (benchmarks/shift_rules.py), measured once per calibration and passed as per-layer overrides.
 
@@ -198,8 +199,8 @@ def run_one(results: Results, subject: Subject, bits: int, calib: str, candidate
     if set(subject.evaluation) <= set(done):
         return False
     variant = _variant(candidate, bits, plan)
-    if variant.method != "gptq":
-        raise SystemExit(f"candidate {candidate!r} is not a GPTQ variant; fp and RTN are the baselines")
+    if variant.method not in ("gptq", "gptaq"):
+        raise SystemExit(f"candidate {candidate!r} is neither GPTQ nor GPTAQ; fp and RTN are the baselines")
     print(f"  run {key}", flush=True)
     t = time.perf_counter()
     calibration = subject.calibrate(calib, plan.nsamples)

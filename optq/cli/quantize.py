@@ -29,6 +29,7 @@ BITS = (2, 3, 4, 8)  # the code widths the checkpoint formats pack
 
 def register(subparsers: Any) -> None:
     """Add the ``quantize`` subcommand."""
+    from optq.core.config import QuantConfig
     from optq.formats.engines import ENGINES
 
     p = subparsers.add_parser(
@@ -74,10 +75,10 @@ def register(subparsers: Any) -> None:
     g.add_argument(
         "--diag-shrink",
         type=float,
-        default=0.0,
+        default=QuantConfig().diag_shrink,
         metavar="S",
-        help="shrink H toward its diagonal, (1-S)H + S diag(H): 0 plain GPTQ (default), "
-        "1 round-to-nearest; guards against calibration text unlike the served text",
+        help=f"shrink H toward its diagonal, (1-S)H + S diag(H) (default {QuantConfig().diag_shrink:g}): 0 plain "
+        "GPTQ, 1 round-to-nearest; guards against calibration text unlike the served text (docs/lab.md, section 8)",
     )
     g.add_argument(
         "--damp-max", type=float, default=1.0, help="largest damping tried when H cannot be factorised (default 1.0)"

@@ -28,10 +28,11 @@ __all__ = ["Variant", "parse_variant", "compare", "VARIANT_HELP"]
 log = logging.getLogger("optq.compare")
 
 VARIANT_HELP = (
-    "fp | rtn | gptq | gptaq, each optionally followed by +modifiers: +plain (textbook GPTQ: no act-order, "
-    "no token normalisation), +no_act_order, +no_norm, +act_order (dynamic groups), "
+    "fp | rtn | gptq | gptaq (optq's defaults), each optionally followed by +modifiers: +plain (textbook "
+    "GPTQ: no act-order, no token normalisation, H not shrunk), +no_act_order, +no_norm, +act_order (dynamic groups), "
     "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
-    "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward its diagonal); gptaq also +alpha<A> "
+    "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward "
+    "its diagonal; default 0.5, gptq+shrink0 is GPTQ without it); gptaq also +alpha<A> "
     "(the correction's scale) and +full (from the least-squares optimum); e.g. gptq+plain, rtn+mse, "
     "gptq+g64, gptq+shrink0.5, gptaq+alpha1"
 )
@@ -77,7 +78,7 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
         elif mod == "no_norm":
             changes["normalize_tokens"] = False
         elif mod == "plain":
-            changes.update(act_order=False, static_groups=False, normalize_tokens=False)
+            changes.update(act_order=False, static_groups=False, normalize_tokens=False, diag_shrink=0.0)
         elif mod == "static_groups":
             changes.update(act_order=True, static_groups=True)
         elif mod == "mse":

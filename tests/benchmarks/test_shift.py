@@ -22,7 +22,7 @@ PLAN = shift.Plan(
     bits=(4,),
     group_size=16,
     calib=("a", "a+b"),
-    candidates=("gptq", "gptq+shrink0.5"),
+    candidates=("gptq+shrink0", "gptq+shrink0.5"),
     nsamples=4,
     seqlen=16,
     windows=2,
@@ -105,13 +105,13 @@ def test_sweep_caches_baselines_and_resumes(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     # Killed before one run was written: only that run is made, the others stay as they were.
-    data["runs"].pop(shift.run_key("tiny", 4, "a", "gptq", PLAN))
+    data["runs"].pop(shift.run_key("tiny", 4, "a", "gptq+shrink0", PLAN))
     path.write_text(json.dumps(data))
     assert shift.sweep(shift.Results(path), subj, PLAN) == 1
     again = json.loads(path.read_text())
     assert (
-        again["runs"][shift.run_key("tiny", 4, "a+b", "gptq", PLAN)]
-        == data["runs"][shift.run_key("tiny", 4, "a+b", "gptq", PLAN)]
+        again["runs"][shift.run_key("tiny", 4, "a+b", "gptq+shrink0", PLAN)]
+        == data["runs"][shift.run_key("tiny", 4, "a+b", "gptq+shrink0", PLAN)]
     )
 
     # A new evaluation text: its baselines are measured, every run gains its perplexity.
@@ -135,13 +135,13 @@ def test_the_lw_candidate_shrinks_each_layer_by_its_rule(tmp_path):
     results = shift.Results(tmp_path / "shift.json")
     subj = subject()
     assert shift.run_one(results, subj, 4, "a+b", "gptq+lw", PLAN)
-    assert shift.run_one(results, subj, 4, "a+b", "gptq", PLAN)
+    assert shift.run_one(results, subj, 4, "a+b", "gptq+shrink0", PLAN)
     (shrinks,) = results.data["layer_shrinks"].values()
     from shift_rules import layer_shrinks, units_of
 
     expected = layer_shrinks(subj.model, units_of(subj.calibrate("a+b", PLAN.nsamples), 2))
     assert shrinks == pytest.approx(expected)
     lw = results.data["runs"][shift.run_key("tiny", 4, "a+b", "gptq+lw", PLAN)]
-    plain = results.data["runs"][shift.run_key("tiny", 4, "a+b", "gptq", PLAN)]
+    plain = results.data["runs"][shift.run_key("tiny", 4, "a+b", "gptq+shrink0", PLAN)]
     assert lw["layer_shrink"]["max"] == max(expected.values()) > 0
     assert lw["ppl"] != plain["ppl"]  # the overrides reached the solver

@@ -134,7 +134,9 @@ def test_solver_equals_the_paper_sweep_done_slowly(act_order, alpha):
     X_fp, X_q = shifted_inputs(300, d, seed=3)
     H, C = accumulated(X_q, X_fp)
     W = torch.randn(6, d, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    cfg = optq.QuantConfig(bits=3, group_size=8, sym=False, act_order=act_order, static_groups=act_order, block_size=7)
+    cfg = optq.QuantConfig(
+        bits=3, group_size=8, sym=False, act_order=act_order, static_groups=act_order, block_size=7, diag_shrink=0.0
+    )  # the paper's algebra: H not shrunk
     sol = optq.gptaq(W, H, C, cfg, alpha=alpha)
     Hd = H.clone()
     Hd.diagonal().add_(cfg.damp * H.diagonal().mean())
@@ -160,7 +162,7 @@ def test_loss_is_the_asymmetric_objective_above_its_least_squares_floor(act_orde
     X_fp, X_q = shifted_inputs(400, d, seed=5)
     H, C = accumulated(X_q, X_fp)
     W = torch.randn(5, d, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    cfg = optq.QuantConfig(bits=4, group_size=8, act_order=act_order, damp=0.0)
+    cfg = optq.QuantConfig(bits=4, group_size=8, act_order=act_order, damp=0.0, diag_shrink=0.0)
     sol = optq.gptaq(W, H, C, cfg, alpha=1.0)
     # W* by least squares on the raw inputs: min_V ||W X_fp - V X_q||²
     best = torch.linalg.lstsq(X_q, X_fp @ W.T).solution.T
@@ -190,7 +192,7 @@ def exhaustive(W, X_fp, X_q, scales, zeros, maxq):
 
 def test_gptaq_beats_gptq_and_approaches_the_exhaustive_optimum_on_shifted_inputs():
     d = 6
-    cfg = optq.QuantConfig(bits=3, group_size=-1, act_order=False)
+    cfg = optq.QuantConfig(bits=3, group_size=-1, act_order=False, diag_shrink=0.0)
     rows = []
     for seed in range(12):
         X_fp, X_q = shifted_inputs(120, d, seed=10 + seed, shift=0.4)

@@ -78,7 +78,7 @@ def test_rank_one_deletion_equals_inverse_of_the_reduced_hessian():
 def textbook_gptq(W: torch.Tensor, H: torch.Tensor, cfg: optq.QuantConfig) -> torch.Tensor:
     """The per-coordinate algorithm with explicit rank-one deletions (no Cholesky, no blocks)."""
     rows, d = W.shape
-    H = H.clone()
+    H = (1 - cfg.diag_shrink) * H + cfg.diag_shrink * torch.diag(H.diagonal())  # toward its diagonal
     H.diagonal().add_(cfg.damp * H.diagonal().mean())
     order = torch.argsort(torch.diagonal(H), descending=True, stable=True) if cfg.act_order else torch.arange(d)
     gs = d if cfg.group_size == -1 else cfg.group_size
@@ -114,13 +114,16 @@ def textbook_gptq(W: torch.Tensor, H: torch.Tensor, cfg: optq.QuantConfig) -> to
         (16, True, True),
     ],
 )
-def test_blocked_solver_equals_textbook_loop(group_size, act_order, static_groups):
+@pytest.mark.parametrize("shrink", [0.0, 0.5])  # plain GPTQ, optq's default
+def test_blocked_solver_equals_textbook_loop(group_size, act_order, static_groups, shrink):
     # Asymmetric grid: a symmetric grid puts ±absmax exactly on a rounding tie (±(2^b - 1)/2),
     # where float-order differences legitimately pick either neighbour at equal cost.
     d = 40
     H = hessian_of(correlated(200, d, seed=4))
     W = torch.randn(6, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    kw = dict(bits=3, group_size=group_size, sym=False, act_order=act_order, static_groups=static_groups)
+    kw = dict(
+        bits=3, group_size=group_size, sym=False, act_order=act_order, static_groups=static_groups, diag_shrink=shrink
+    )
     expected = textbook_gptq(W, H, optq.QuantConfig(**kw))
     for block in (1, 7, 128):
         sol = optq.gptq(W, H, optq.QuantConfig(**kw, block_size=block))
@@ -192,7 +195,7 @@ def test_rank_deficient_hessian_is_handled_by_damping():
     X = correlated(6, 32, seed=10, dtype=torch.float32)  # 6 tokens, 32 inputs: rank 6
     H = hessian_of(X)
     W = torch.randn(8, 32)
-    sol = optq.gptq(W, H, optq.QuantConfig(bits=4, group_size=16, damp=0.0))
+    sol = optq.gptq(W, H, optq.QuantConfig(bits=4, group_size=16, damp=0.0, diag_shrink=0.0))  # H singular
     assert torch.isfinite(sol.weight).all()
     assert sol.damp > 0.0  # escalated from 0, and recorded
     assert sol.loss <= optq.objective(W, optq.rtn(W, optq.QuantConfig(bits=4, group_size=16)).weight, H)
@@ -238,7 +241,7 @@ def test_diag_shrink_solves_the_shrunk_hessian_and_reports_on_the_callers(act_or
     X = correlated(200, 40, seed=21)
     H = hessian_of(X)
     W = torch.randn(12, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(22))
-    base = optq.QuantConfig(bits=3, group_size=8, act_order=act_order)
+    base = optq.QuantConfig(bits=3, group_size=8, act_order=act_order, diag_shrink=0.0)
     for s in (0.3, 0.9):
         shrunk = (1 - s) * H + s * torch.diag(H.diagonal())  # built here, independently
         sol = optq.gptq(W, H, optq.QuantConfig(**{**base.to_dict(), "diag_shrink": s}))

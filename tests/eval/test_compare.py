@@ -26,6 +26,9 @@ def test_variant_names_map_onto_configs():
     assert parse_variant("fp", base).config is None
     shrunk = parse_variant("gptq+shrink0.25+damp0.1", base).config
     assert (shrunk.diag_shrink, shrunk.damp) == (0.25, 0.1)
+    # optq's defaults shrink H halfway; textbook GPTQ (+plain) and +shrink0 do not
+    assert parse_variant("gptq", base).config.diag_shrink == 0.5
+    assert plain.config.diag_shrink == 0.0 and parse_variant("gptaq+shrink0", base).config.diag_shrink == 0.0
     for bad in (
         "awq",
         "gptq+fast",
