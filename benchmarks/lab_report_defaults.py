@@ -20,6 +20,7 @@ PLAIN = "gptq+shrink0"
 SWEEP = (32, 512, 8)  # nsamples, seqlen, windows of the candidate sweep
 CONFIRM = (128, 512, 20)
 CALIB = "enwiki"
+GROUP = 128  # the rule's sections (issue 18 specifies g128); other group sizes are shown, not ruled on
 
 
 def _size(sec: dict[str, Any]) -> tuple[int, int, int]:
@@ -42,7 +43,7 @@ def choose(data: dict[str, Any]) -> tuple[list[list[Any]], str | None]:
     """The candidates table (one row per candidate: worst cell over the sections, the smallest
     share of plain GPTQ's in-domain gain kept, the largest perplexity rise over plain GPTQ on
     any text) and the chosen candidate."""
-    secs = [s for s in sections(data) if _size(s) == SWEEP]
+    secs = [s for s in sections(data) if _size(s) == SWEEP and s["group_size"] == GROUP]
     cands = list(dict.fromkeys(c for s in secs for c in s["candidates"]))
     rows, best = [], None
     for cand in cands:
@@ -150,7 +151,7 @@ in `optq compare`. Calibrated on enwiki, {SWEEP[0]} x {SWEEP[1]} tokens, {SWEEP[
     ]
     rises = []
     if chosen is not None:
-        for sec in (s for s in sections(data) if _size(s) == SWEEP):
+        for sec in (s for s in sections(data) if _size(s) == SWEEP and s["group_size"] == GROUP):
             worse = [(c, _ppl(sec, chosen)[c], _ppl(sec, PLAIN)[c]) for c in sec["corpora"]]
             worse = [w for w in worse if w[1] > w[2] * 1.02]
             if worse:

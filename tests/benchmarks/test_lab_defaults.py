@@ -53,6 +53,13 @@ def test_the_smallest_worst_cell_wins_among_those_keeping_95_percent_of_the_in_d
     assert by_name["gptq+damp"][4] == "not measured on every section"
     # the perplexity rise over plain GPTQ is reported where the rule cannot see it
     assert by_name["gptq+shrink0.5"][3] == f"{(15.2 / 15.0 - 1):+.0%} (m1 4-bit enwiki)"
+    # a section at another group size is shown on the page, not ruled on (the matrix is g128)
+    n, seqlen, windows = defaults.SWEEP
+    for text in TEXTS:
+        data["baselines"][shift_report.baseline_key("m1", "rtn", 4, 64, seqlen, windows, text)] = {"ppl": 20.0}
+    run = {**data["runs"]["m1|4|gptq+shrink0.5"], "group_size": 64, "ppl": {"enwiki": 60.0, "code": 60.0}}
+    data["runs"]["m1|4|g64|gptq+shrink0.5"] = run
+    assert defaults.choose(data) == (rows, chosen)
 
 
 def test_the_section_says_when_the_code_disagrees_with_the_rule(tmp_path):
