@@ -107,8 +107,8 @@ def _gptaq(path: Path) -> str:
     )
     return (
         f"Worst cell, GPTAQ against GPTQ: {said}; GPTAQ lowers it at "
-        f"{', '.join(f'{b}-bit' for b in wins) or 'neither width'}. It is not the default: it was not "
-        "measured with shrinkage on the whole matrix, and it costs about 1.9 times GPTQ's time on a quiet "
+        f"{', '.join(f'{b}-bit' for b in wins) or 'neither width'}. GPTAQ with the default shrink is the "
+        "candidates table's `gptaq+shrink0.5`; GPTAQ costs about 1.9 times GPTQ's time on a quiet "
         "machine (docs/gptaq.md; the times below were taken on a shared one).\n\n" + table
     )
 
@@ -126,7 +126,7 @@ def defaults_section(results: Path, docs: Path) -> str:
     verdict = (
         f"**Verdict: {chosen} is chosen by the rule"
         + (f" and is optq's default (`QuantConfig.diag_shrink = {QuantConfig().diag_shrink:g}`).**" if chosen == default
-           else f"; optq's default is {default}: the page and the code disagree, rerun or change the default.**")
+           else f"; optq's default is {default}: the code does not follow the rule yet.**")
     )  # fmt: skip
     parts = [
         f"""## 8. The defaults against calibration shift (issue 18)
