@@ -45,10 +45,10 @@ def choose(data: dict[str, Any]) -> tuple[list[list[Any]], str | None]:
     any text) and the chosen candidate."""
     secs = [s for s in sections(data) if _size(s) == SWEEP and s["group_size"] == GROUP]
     cands = list(dict.fromkeys(c for s in secs for c in s["candidates"]))
+    plain = {(s["model"], s["bits"]): _row(data, s, PLAIN) for s in secs}
     rows, best = [], None
     for cand in cands:
         cells = {(s["model"], s["bits"]): _row(data, s, cand) for s in secs}
-        plain = {(s["model"], s["bits"]): _row(data, s, PLAIN) for s in secs}
         off = [
             (v, f"{m} {b}-bit → {c}")
             for (m, b), row in cells.items()

@@ -244,11 +244,10 @@ class QuantLinear(nn.Module):
         if fast is None:
             return self.forward_reference(x)
         n = self.out_features
-        rows = x.numel() // self.in_features
-        if rows >= cpu_kernels.PREFILL_ROWS[self.bits] and not cpu_kernels.from_packed(fast, n):
+        decode = x.numel() // self.in_features < cpu_kernels.PREFILL_ROWS[self.bits]
+        if not decode and not cpu_kernels.from_packed(fast, n):
             return self.forward_reference(x)  # prefill needs a readable layout here
         fused = self._fused
-        decode = rows < cpu_kernels.PREFILL_ROWS[self.bits]
         if decode and fused is not None and fused[0].member_fast[fused[1]] is fast:
             y = fused[0].traced_output(fused[1], x)
         else:
