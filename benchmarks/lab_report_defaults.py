@@ -116,16 +116,18 @@ def _gptaq(path: Path) -> str:
 def defaults_section(results: Path, docs: Path) -> str:
     """Section 8 of docs/lab.md."""
     from optq.core.config import QuantConfig
+    from optq.pipeline.settings import RunSettings
 
     shift = results / "shift.json"
     if not shift.exists():
         return "## 8. The defaults against calibration shift (not run yet: `python benchmarks/shift.py`)\n"
     data = json.loads(shift.read_text())
     rows, chosen = choose(data)
-    default = f"gptq+shrink{QuantConfig().diag_shrink:g}"
+    method, shrink = RunSettings().method, QuantConfig().diag_shrink
+    default = f"{method}+shrink{shrink:g}"
     verdict = (
         f"**Verdict: {chosen} is chosen by the rule"
-        + (f" and is optq's default (`QuantConfig.diag_shrink = {QuantConfig().diag_shrink:g}`).**" if chosen == default
+        + (f" and is optq's default (`method={method!r}`, `diag_shrink={shrink:g}`).**" if chosen == default
            else f"; optq's default is {default}: the code does not follow the rule yet.**")
     )  # fmt: skip
     parts = [

@@ -259,8 +259,8 @@ Calibration sources: enwiki, debref-de, code; mix3 = enwiki+debref-de+code in eq
 calibration carries over to another (debref-zh-cn stays out). Candidates are `optq compare`
 variants: `gptq+shrink0` is plain GPTQ at optq's other defaults (act-order with static groups,
 token-normalised Hessian, damp 0.01: optq's default before issue 18); `+shrinkS` shrinks H
-toward its diagonal, (1 - S) H + S diag(H) (optq's default is now `gptq+shrink0.5`, chosen in
-docs/lab.md, section 8); `gptaq` variants are GPTAQ (docs/gptaq.md); `+dampX` damps
+toward its diagonal, (1 - S) H + S diag(H); `gptaq` variants are GPTAQ (docs/gptaq.md; optq's
+default is now `gptaq+shrink0.5`, chosen in docs/lab.md, section 8); `+dampX` damps
 with X of the mean diagonal; `+mse` fits each group's range by least squared rounding error.
 `+lw` chooses each layer's shrink from its own calibration statistics (benchmarks/shift_rules.py):
 the Ledoit-Wolf intensity over the mixture's sources (over the windows for a single source).

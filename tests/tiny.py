@@ -87,6 +87,21 @@ def run(model: nn.Module, **kw):
     return optq.quantize(model, kw.pop("calib", tokens(n=6, seqlen=16)), kw.pop("config", CFG), **kw)
 
 
+def assert_on_own_grid(name: str, weight: torch.Tensor, sol, bits: int, group_size: int, tol: float = 1e-4) -> None:
+    """Check a quantized weight against the symmetric grid its solution names (GPTAQ, the default
+    method, fits each static group's grid to its corrected weights, which the test cannot
+    recompute): every weight is scale·(q - zero) with q an integer in [0, 2^bits - 1], the zero
+    2^(bits-1), and the groups the natural ones (static groups)."""
+    maxq, zero = 2**bits - 1, 2 ** (bits - 1)
+    q = weight.double() / sol.scales.double()[:, sol.g_idx.long()] + zero
+    codes = q.round()
+    off = float((q - codes).abs().max())
+    assert off < tol, f"{name}: a weight lies {off:.3g} grid steps off its grid"
+    assert int(codes.min()) >= 0 and int(codes.max()) <= maxq, name
+    assert bool((sol.zeros == zero).all()), name
+    assert torch.equal(sol.g_idx.long(), torch.arange(weight.shape[1]) // group_size), name
+
+
 def assert_on_static_grid(
     name: str, original: torch.Tensor, weight: torch.Tensor, sol, bits: int, group_size: int, tol: float = 1e-4
 ) -> None:

@@ -164,12 +164,16 @@ def tokens(n: int = 6, seqlen: int = 16, seed: int = 1, mark_last: bool = True) 
 
 def quantize(arch: str, ids: torch.Tensor | None = None, **kw):
     """A tiny ``arch`` model quantized at ``CFG`` (on 16 x 32 ``tokens`` unless ``ids``, batches of
-    4, no progress bars): (model, report, its weights before, under the quantized names)."""
+    4, no progress bars) with GPTQ unless ``method`` says otherwise: (model, report, its weights
+    before, under the quantized names). The routed, starved and weighted Hessians and the custom
+    ModuleList experts tested with it are GPTQ's (GPTAQ, the default method, refuses routed
+    calibration and experts in a model's own code; its MoE runs: tests/pipeline/test_gptaq_*.py)."""
     model = build(arch)
     unfuse_experts(model)  # as quantize does first, so the original weights have the same names
     original = {k: v.clone() for k, v in model.state_dict().items()}
     kw.setdefault("progress", False)
     kw.setdefault("batch_size", 4)
+    kw.setdefault("method", "gptq")
     report = optq.quantize(model, tokens(n=16, seqlen=32) if ids is None else ids, CFG, **kw)
     return model, report, original
 

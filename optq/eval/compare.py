@@ -28,7 +28,8 @@ __all__ = ["Variant", "parse_variant", "compare", "VARIANT_HELP"]
 log = logging.getLogger("optq.compare")
 
 VARIANT_HELP = (
-    "fp | rtn | gptq | gptaq (optq's defaults), each optionally followed by +modifiers: +plain (textbook "
+    "fp | rtn | gptq | gptaq (with optq's default settings; gptaq is the default method), each optionally "
+    "followed by +modifiers: +plain (textbook "
     "GPTQ: no act-order, no token normalisation, H not shrunk), +no_act_order, +no_norm, +act_order (dynamic groups), "
     "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
     "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward "

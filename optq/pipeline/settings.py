@@ -116,13 +116,14 @@ def _gptaq(s: RunSettings) -> None:
         raise ValueError(
             "method='gptaq' fits each layer on the quantized model's inputs against the float model's; with "
             "propagate='original' both are the float model's and GPTAQ is GPTQ: use propagate='quantized' "
-            "(--propagate quantized) or method='gptq'"
+            "(--propagate quantized), or method='gptq' (--method gptq; GPTAQ is the default)"
         )
     if s.moe_calibration == "routed":
         raise ValueError(
             "method='gptaq' pairs each token's input to a layer in the float and the quantized model; with "
             "moe_calibration='routed' an expert's tokens are those its router chose, which differ between the "
-            "two models: use moe_calibration='all' (--moe-calibration all) or method='gptq'"
+            "two models: use moe_calibration='all' (--moe-calibration all), or method='gptq' (--method gptq; "
+            "GPTAQ is the default)"
         )
 
 
@@ -150,8 +151,9 @@ class RunSettings:
         batch_size: windows per block forward (the weights depend on it only through float
             summation order).
     What and how:
-        method: "gptq", "gptaq" or "rtn" (round-to-nearest; the report still measures it on H).
-            "gptaq" (``optq.core.gptaq``) fits each layer to the float model's outputs: it runs
+        method: "gptaq" (the default), "gptq" or "rtn" (round-to-nearest; the report still
+            measures it on H). "gptaq" (``optq.core.gptaq``; chosen on the shift matrix,
+            docs/lab.md section 8) fits each layer to the float model's outputs: it runs
             a float copy of each block beside the quantized one on the float model's own
             activations (a second copy of the activations, one more block in memory, about one
             more block forward per group), not with propagate="original" nor routed experts.
@@ -202,7 +204,7 @@ class RunSettings:
     seqlen: int | None = None
     seed: int = 0
     batch_size: int = 8
-    method: str = "gptq"
+    method: str = "gptaq"
     gptaq_alpha: float = DEFAULT_ALPHA
     gptaq_form: str = "paper"
     propagate: str = "quantized"

@@ -66,12 +66,20 @@ def test_the_section_says_when_the_code_disagrees_with_the_rule(tmp_path):
     import json
 
     from optq.core.config import QuantConfig
+    from optq.pipeline.settings import RunSettings
 
-    assert QuantConfig().diag_shrink == 0.5
+    assert QuantConfig().diag_shrink == 0.5 and RunSettings().method == "gptaq"
     data = _data(
         {"gptq+shrink0": {s: (0.5, 1.2) for s in SECTIONS}, "gptq+shrink0.25": {s: (0.5, 0.6) for s in SECTIONS}}
     )
     (tmp_path / "shift.json").write_text(json.dumps(data))
     page = defaults.defaults_section(tmp_path, tmp_path)
-    assert "gptq+shrink0.25 is chosen by the rule; optq's default is gptq+shrink0.5" in page
+    assert "gptq+shrink0.25 is chosen by the rule; optq's default is gptaq+shrink0.5" in page
     assert "(gptaq.json not found" in page
+    # where the rule picks the code's default (method and shrink), the page says so
+    data = _data(
+        {"gptq+shrink0": {s: (0.5, 1.2) for s in SECTIONS}, "gptaq+shrink0.5": {s: (0.5, 0.6) for s in SECTIONS}}
+    )
+    (tmp_path / "shift.json").write_text(json.dumps(data))
+    page = defaults.defaults_section(tmp_path, tmp_path)
+    assert "gptaq+shrink0.5 is chosen by the rule and is optq's default (`method='gptaq'`, `diag_shrink=0.5`)" in page

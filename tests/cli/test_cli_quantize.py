@@ -69,13 +69,14 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
 
 @pytest.mark.parametrize("where", ["solver", "writing"])
 def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch, where):
-    from optq.core import solver
+    from optq.core import gptaq, solver
     from optq.pipeline.stream import assemble
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    if where == "solver":  # Ctrl-C in the middle of the block loop
+    if where == "solver":  # Ctrl-C in the middle of the block loop (GPTAQ's solve: the default method)
+        monkeypatch.setattr(gptaq, "gptaq_with_floor", interrupted)
         monkeypatch.setattr(solver, "gptq", interrupted)
     else:  # Ctrl-C at the checkpoint's last file, just before the folder gets its name
         real = assemble.write_json
@@ -220,7 +221,10 @@ def test_quantize_a_mixture_of_experts_folder(model_dir, tmp_path, capsys):
     assert (
         main(
             quantize_args(
-                root, out, "--moe-calibration", "routed", "--moe-min-tokens", "1000", "--max-hessian-memory", "4KB"
+                root,
+                out,
+                *("--method", "gptq", "--moe-calibration", "routed"),
+                *("--moe-min-tokens", "1000", "--max-hessian-memory", "4KB"),
             )
         )
         == 0

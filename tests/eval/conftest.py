@@ -63,7 +63,8 @@ def enwiki(smollm2):
 @pytest.fixture(scope="session")
 def gptq4(smollm2, enwiki):
     """A copy of SmolLM2 quantized in memory by ``optq.quantize`` with the default settings
-    (4-bit g128, act-order + static groups, normalize_tokens): (model, report, its perplexity
+    (GPTAQ, 4-bit g128, act-order + static groups, normalize_tokens, H shrunk halfway toward its
+    diagonal): (model, report, its perplexity
     on the evaluation windows)."""
     model, _ = smollm2
     calib, windows = enwiki

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
-from optq.core import solver
+from optq.core import gptaq, solver
 from optq.pipeline.stream.journal import Journal
 
 LAYERS = 3
 OUT_SHARD = 8_000  # several output shards
 LINEARS = 7  # per llama block
-SOLVES = 4  # gptq calls per llama block: one per group of linears sharing an input (qkv, o, gate+up, down)
+SOLVES = 4  # solves per llama block: one per group of linears sharing an input (qkv, o, gate+up, down)
 
 
 class Kill(BaseException):
@@ -28,17 +29,28 @@ def journal_state(out: Path) -> dict:
     return json.loads((out.parent / f"{out.name}.partial" / "state.json").read_text())
 
 
-def count_solves(monkeypatch) -> list[int]:
-    """Count the gptq calls from now on (in the returned list's one item)."""
+def on_solve(monkeypatch, hook: Callable[[int], None] | None = None) -> list[int]:
+    """Count the solves from now on (in the returned list's one item), GPTQ's or GPTAQ's (the
+    default method's), calling ``hook(n)`` before the n-th (from 1): it may raise, to crash there."""
     calls = [0]
-    orig = solver.gptq
 
-    def gptq(*a, **k):
-        calls[0] += 1
-        return orig(*a, **k)
+    def wrapped(orig):
+        def solve(*a, **k):
+            calls[0] += 1
+            if hook is not None:
+                hook(calls[0])
+            return orig(*a, **k)
 
-    monkeypatch.setattr(solver, "gptq", gptq)
+        return solve
+
+    monkeypatch.setattr(solver, "gptq", wrapped(solver.gptq))
+    monkeypatch.setattr(gptaq, "gptaq_with_floor", wrapped(gptaq.gptaq_with_floor))
     return calls
+
+
+def count_solves(monkeypatch) -> list[int]:
+    """Count the solves from now on (in the returned list's one item)."""
+    return on_solve(monkeypatch)
 
 
 def after_write_block(mp, block: int) -> None:

@@ -39,7 +39,8 @@ def _ids() -> torch.Tensor:
 
 def _run(arch: str, hessian_dtype: str, fail: bool = False, device: str | None = None):
     model = _model(arch)
-    kw = {"progress": False, "batch_size": 2, "hessian_dtype": hessian_dtype}
+    # GPTQ, routed experts included (GPTAQ over ranks, the default method: test_gptaq_runs.py)
+    kw = {"progress": False, "batch_size": 2, "hessian_dtype": hessian_dtype, "method": "gptq"}
     if device is not None:
         kw["device"] = device
     if arch == "mixtral":
@@ -218,6 +219,7 @@ def test_streaming_over_two_ranks_killed_mid_run_resumes_to_one_process_bytes(tm
         batch_size=2,
         hessian_dtype="float64",
         max_shard_size=20_000,
+        method="gptq",  # as stream_worker is told below
     )
     out = tmp_path / "log"
     out.mkdir()

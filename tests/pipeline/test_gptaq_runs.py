@@ -45,7 +45,7 @@ def test_streamed_gptaq_equals_quantize_and_save(kit, tmp_path):
     rows = json.loads(streamed[kit.REPORT])["layers"]
     assert all(rows[n]["objective"] == row.objective for n, row in report.layers.items())
     # and it is not GPTQ's checkpoint
-    kit.stream(src, tmp_path / "gptq")
+    kit.stream(src, tmp_path / "gptq", method="gptq")
     plain = kit.folder_bytes(tmp_path / "gptq")
     assert any(plain[k] != streamed[k] for k in weights)
 

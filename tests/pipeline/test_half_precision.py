@@ -13,7 +13,7 @@ from optq.formats.linears import find_linears, get_weight
 from optq.formats.qlinear import QuantLinear
 
 pytest.importorskip("transformers")
-from tiny import assert_on_static_grid, build, tokens  # noqa: E402
+from tiny import assert_on_own_grid, assert_on_static_grid, build, tokens  # noqa: E402
 
 CFG4 = optq.QuantConfig(bits=4, group_size=16)  # act-order, static groups, normalised tokens
 
@@ -22,14 +22,16 @@ def _linears(model):
     return {n: m for i, b in enumerate(model.model.layers) for n, m in find_linears(b, f"model.layers.{i}").items()}
 
 
+@pytest.mark.parametrize("method", ["gptaq", "gptq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_precision_model_quantizes_saves_and_loads(dtype, tmp_path):
+def test_half_precision_model_quantizes_saves_and_loads(dtype, method, tmp_path):
     model = build("llama").to(dtype)
     calib = tokens(n=6, seqlen=16)
     before = {n: get_weight(m).clone() for n, m in _linears(model).items()}
-    report = optq.quantize(model, calib, CFG4, progress=False, batch_size=2)
+    report = optq.quantize(model, calib, CFG4, progress=False, batch_size=2, method=method)
 
-    # Every weight keeps its dtype and lies on the grid fitted from the original weights: the
+    # Every weight keeps its dtype and lies on the grid fitted from the original weights (GPTQ;
+    # GPTAQ's grid is fitted to its corrected weights, so there the solution's own grid): the
     # solver works in float32 and the weight is scale·(q - zero) rounded once to the model's
     # dtype, at most half an ulp of |scale·(q - zero)| <= 2^(bits-1)·scale off the grid point.
     tol = 2 ** (CFG4.bits - 1) * torch.finfo(dtype).eps / 2 + 1e-5
@@ -38,7 +40,10 @@ def test_half_precision_model_quantizes_saves_and_loads(dtype, tmp_path):
         w, sol = get_weight(mod), report.solutions[name]
         assert w.dtype == dtype and sol.weight.dtype == dtype, name
         assert not torch.equal(w, before[name]), name
-        assert_on_static_grid(name, before[name], w, sol, CFG4.bits, CFG4.group_size, tol=tol)
+        if method == "gptq":
+            assert_on_static_grid(name, before[name], w, sol, CFG4.bits, CFG4.group_size, tol=tol)
+        else:
+            assert_on_own_grid(name, w, sol, CFG4.bits, CFG4.group_size, tol=tol)
     for p in model.parameters():
         assert p.dtype == dtype
 

@@ -81,7 +81,8 @@ def test_every_hessian_matches_a_whole_model_forward(monkeypatch, normalize_toke
         return real(W, H, cfg)
 
     monkeypatch.setattr(solver, "gptq", record)
-    _run(model, calib=calib, config=config, strategy=strategy, propagate=propagate, batch_size=2)
+    # GPTQ's Hessians (GPTAQ's, with its cross terms: test_gptaq_pipeline.py)
+    _run(model, calib=calib, config=config, strategy=strategy, propagate=propagate, batch_size=2, method="gptq")
 
     names = [f"model.layers.{b}.{g}" for b in range(2) for g in GROUPS]
     assert [s[0] for s in seen] == names
@@ -122,7 +123,7 @@ def test_calibration_statistics_match_a_whole_model_forward(monkeypatch):
         return real(W, H, cfg)
 
     monkeypatch.setattr(solver, "gptq", record)
-    report = _run(model, calib=calib, batch_size=4)  # batches of 4 and 2: the position stream restarts
+    report = _run(model, calib=calib, batch_size=4, method="gptq")  # batches of 4 and 2: positions restart
     assert len(states) == 8
     for name, state in states.items():
         block, linear = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name).groups()

@@ -24,11 +24,12 @@ def _count_calls(module, counter, key):
 
 
 def _both_strategies(make_model, **kw):
-    """Quantize a fresh ``make_model()`` with strategy pause, then replay: (models, reports)."""
+    """Quantize a fresh ``make_model()`` with strategy pause, then replay: (models, reports).
+    GPTQ: GPTAQ (the default method) always replays."""
     models, reports = [], []
     for strategy in ("pause", "replay"):
         models.append(make_model())
-        reports.append(_run(models[-1], strategy=strategy, batch_size=2, **kw))
+        reports.append(_run(models[-1], strategy=strategy, batch_size=2, method="gptq", **kw))
     return models, reports
 
 
@@ -43,8 +44,8 @@ def test_replay_reuses_the_finished_attention_and_matches_pause():
     counts: dict[str, int] = {}
     handles = [_count_calls(blk.self_attn.q_proj, counts, i) for i, blk in enumerate(b.model.layers)]
     calib = tokens(n=6, seqlen=16)
-    ra = _run(a, calib=calib, strategy="pause", batch_size=2)
-    rb = _run(b, calib=calib, strategy="replay", batch_size=2)
+    ra = _run(a, calib=calib, strategy="pause", batch_size=2, method="gptq")  # GPTAQ never pauses
+    rb = _run(b, calib=calib, strategy="replay", batch_size=2, method="gptq")
     for h in handles:
         h.remove()
     _assert_same_weights(ra, rb)
@@ -183,7 +184,7 @@ def test_pipeline_solutions_recompute_their_codes_exactly(monkeypatch):
     model = build("llama")
     fresh = real(torch.randn(8, 64), torch.eye(64), optq.QuantConfig(bits=4, group_size=16))
     assert fresh.__dict__["_codes"] is not None  # a direct solve keeps its codes
-    report = _run(model, config=optq.QuantConfig(bits=4, group_size=16))
+    report = _run(model, config=optq.QuantConfig(bits=4, group_size=16), method="gptq")
     names = list(report.solutions)  # in solve order; a group's layers are its stacked rows
     assert len(solved) == 8
     for rows, codes, weight in solved:
@@ -262,7 +263,7 @@ def test_a_childs_own_forward_hooks_run_once_when_its_output_is_replayed():
 
 def test_dropped_codes_refuse_to_follow_a_modified_model():
     model = build("llama")
-    report = _run(model, config=optq.QuantConfig(bits=4, group_size=16))
+    report = _run(model, config=optq.QuantConfig(bits=4, group_size=16), method="gptq")
     name = next(iter(report.solutions))
     codes = report.solutions[name].codes.clone()
     model.load_state_dict(build("llama", seed=1).state_dict())  # the model changes in place

@@ -121,23 +121,25 @@ def test_pause_strategy_replays_moe_blocks_with_the_same_weights():
 
 
 # --------------------------------------------------------------------------- plan
-def test_plan_lists_every_expert_and_bounds_the_stage_hessians_by_the_budget():
+@pytest.mark.parametrize("method, matrices", [("gptq", 2), ("gptaq", 3)])
+def test_plan_lists_every_expert_and_bounds_the_stage_hessians_by_the_budget(method, matrices):
     from optq.pipeline.planning import plan
 
     cfg = build("mixtral").config.to_dict()
     cfg["num_local_experts"] = 64  # enough that an expert stage's Hessians outweigh any dense group
     speed = {"flops": 1e10, "solve_unit": 1e-9}
-    big = plan(cfg, nsamples=4, seqlen=16, config=CFG, speed=speed)
+    big = plan(cfg, nsamples=4, seqlen=16, config=CFG, speed=speed, method=method)
     names = [r["name"] for b in big.blocks for r in b["linears"]]
     assert {f"model.layers.0.mlp.experts.{e}.{m}" for e in range(4) for m in ("w1", "w2", "w3")} <= set(names)
     quantized = {r["name"] for b in big.blocks for r in b["linears"] if r["quantized"]}
     assert "model.layers.0.mlp.experts.3.w2" in quantized
-    # A stage of 64 experts' gate/up Hessians (32 inputs, solver's + plain, float32) with a solve of
-    # 2 x 16 rows, against one of them within a budget of one Hessian.
+    # A stage of 64 experts' gate/up Hessians (32 inputs, solver's + plain, and GPTAQ's cross term,
+    # float32) with a solve of 2 x 16 rows, against one of them within a budget of one Hessian.
     solve = (5 * 32 * 32 + 4 * 32 * 32) * 4
-    assert (big.ram["hessians"], big.ram["solve workspace"]) == (64 * 32 * 32 * 8, solve)
-    small = plan(cfg, nsamples=4, seqlen=16, config=CFG, speed=speed, max_hessian_memory=32 * 32 * 8)
-    assert 32 * 32 * 8 <= small.ram["hessians"] < big.ram["hessians"]
+    one = 32 * 32 * 4 * matrices
+    assert (big.ram["hessians"], big.ram["solve workspace"]) == (64 * one, solve)
+    small = plan(cfg, nsamples=4, seqlen=16, config=CFG, speed=speed, max_hessian_memory=one, method=method)
+    assert one <= small.ram["hessians"] < big.ram["hessians"]
 
 
 # --------------------------------------------------------------------------- checkpoint

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import optq
-from optq.core import solver
+from optq.core import gptaq, solver
 from optq.formats.linears import find_linears, get_weight
 from optq.pipeline.blocks.discovery import find_blocks
 
 pytest.importorskip("transformers")
-from tiny import ARCHS, CFG, VOCAB, assert_on_static_grid, build, tokens  # noqa: E402
+from tiny import ARCHS, CFG, VOCAB, assert_on_own_grid, assert_on_static_grid, build, tokens  # noqa: E402
 from tiny import run as _run  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def test_quantize_puts_every_linear_on_the_grid(arch, normalize_tokens):
     before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
     untouched = _outside_blocks(model)
     cfg = dataclasses.replace(CFG, normalize_tokens=normalize_tokens)
-    report = _run(model, config=cfg)
+    report = _run(model, config=cfg, method="gptq")  # GPTAQ fits its grid to corrected weights: below
     linears = _block_linears(model)
     assert cfg.act_order and cfg.static_groups and cfg.sym  # the grid checked below
     assert report.config["normalize_tokens"] is normalize_tokens
@@ -54,6 +54,28 @@ def test_quantize_puts_every_linear_on_the_grid(arch, normalize_tokens):
     assert t["objective"] < t["rtn_objective"]
     assert t["mean_objective_ratio"] < 1.0
     assert report.fallbacks == {} and report.skipped == {}
+
+
+def test_the_default_method_gptaq_puts_every_linear_on_a_grid_and_is_gptq_where_inputs_agree():
+    """GPTAQ (the default) fits each static group's grid to its corrected weights W(I + P), so the
+    grid is read from the solution here, but checked: every weight is scale·(q - zero) with integer
+    q in range and the symmetric zero. Where the quantized and float models' inputs agree (block
+    0's first group) the correction is zero and the layer is GPTQ's, on the grid of the original
+    weights; after it the two methods differ."""
+    model, twin = build("llama"), build("llama")
+    before = {n: get_weight(m).clone() for n, m in _block_linears(model).items()}
+    report = _run(model)
+    plain = _run(twin, method="gptq")
+    assert report.options["method"] == "gptaq"
+    for name, mod in _block_linears(model).items():
+        assert_on_own_grid(name, get_weight(mod), report.solutions[name], CFG.bits, CFG.group_size)
+    first = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    for name in first:
+        sol = report.solutions[name]
+        assert torch.equal(sol.weight, plain.solutions[name].weight), name
+        assert_on_static_grid(name, before[name], sol.weight, sol, CFG.bits, CFG.group_size)
+    later = [n for n in report.solutions if n not in first]
+    assert all(not torch.equal(report.solutions[n].weight, plain.solutions[n].weight) for n in later)
 
 
 def test_report_numbers_are_consistent_and_serialise(tmp_path):
@@ -145,8 +167,8 @@ def test_deterministic(one_thread, tmp_path):
 
 
 def test_propagate_original_and_quantized_differ_after_the_first_block():
-    q, o = build("llama"), build("llama")
-    rq, ro = _run(q, propagate="quantized"), _run(o, propagate="original")
+    q, o = build("llama"), build("llama")  # GPTQ: GPTAQ (the default) needs the quantized chain
+    rq, ro = _run(q, propagate="quantized", method="gptq"), _run(o, propagate="original", method="gptq")
     for name in rq.layers:
         same = torch.equal(rq.solutions[name].weight, ro.solutions[name].weight)
         # block 0 sees identical inputs in both modes; block 1 sees quantized vs original ones
@@ -154,13 +176,20 @@ def test_propagate_original_and_quantized_differ_after_the_first_block():
     assert ro.options["propagate"] == "original"
 
 
-def test_one_factorisation_per_shared_input(monkeypatch):
-    calls = []
-    real = solver.gptq
-    monkeypatch.setattr(solver, "gptq", lambda W, H, c: calls.append(tuple(W.shape)) or real(W, H, c))
-    _run(build("llama"))
+@pytest.mark.parametrize("method", ["gptaq", "gptq"])
+def test_one_factorisation_per_shared_input(monkeypatch, method):
+    calls, factorisations = [], []
+    owner, fn = (gptaq, "gptaq_with_floor") if method == "gptaq" else (solver, "gptq")
+    real = getattr(owner, fn)
+    monkeypatch.setattr(owner, fn, lambda W, *a, **k: calls.append(tuple(W.shape)) or real(W, *a, **k))
+    for module in (solver, gptaq):  # GPTAQ's solve and its floor share one factorisation
+        monkeypatch.setattr(
+            module, "factored", lambda W, *a, _f=module.factored, **k: factorisations.append(W.shape) or _f(W, *a, **k)
+        )
+    _run(build("llama"), method=method)
     # per block: q/k/v stacked (32+16+16 rows), o, gate/up stacked, down
     assert calls == [(64, 32), (32, 32), (128, 32), (32, 64)] * 2
+    assert len(factorisations) == len(calls)
 
 
 def test_stacked_solve_equals_separate_solves():
@@ -263,7 +292,7 @@ def test_factorisation_failure_names_the_layer(monkeypatch):
     def fail(W, H, c):
         raise solver.FactorizationError("not positive definite")
 
-    monkeypatch.setattr(solver, "gptq", fail)
+    monkeypatch.setattr(gptaq, "factored", fail)  # the default method's (GPTAQ's) factorisation
     with pytest.raises(optq.FactorizationError, match=r"model\.layers\.0\.self_attn\.q_proj.*damp"):
         _run(build("llama"))
 

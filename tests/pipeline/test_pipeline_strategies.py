@@ -1,4 +1,7 @@
-"""The two ways of running a block (pause / replay), unusual blocks, and cleanup on failure."""
+"""The two ways of running a block (pause / replay), unusual blocks, and cleanup on failure.
+
+The pause strategy is GPTQ's: GPTAQ (the default method) pairs every batch with the float
+block's and always replays, so the pause-vs-replay tests ask for method="gptq"."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 
 import optq
-from optq.core import solver
+from optq.core import gptaq, solver
 
 pytest.importorskip("transformers")
 from tiny import build  # noqa: E402
@@ -19,8 +22,8 @@ from tiny import run as _run  # noqa: E402
 @pytest.mark.parametrize("propagate", ["quantized", "original"])
 def test_pause_and_replay_strategies_give_the_same_weights(arch, propagate):
     a, b = build(arch), build(arch)
-    ra = _run(a, strategy="pause", propagate=propagate, batch_size=2)
-    rb = _run(b, strategy="replay", propagate=propagate, batch_size=2)
+    ra = _run(a, strategy="pause", propagate=propagate, batch_size=2, method="gptq")
+    rb = _run(b, strategy="replay", propagate=propagate, batch_size=2, method="gptq")
     for name in ra.solutions:
         assert torch.equal(ra.solutions[name].weight, rb.solutions[name].weight), name
     assert ra.options["strategy"] == "pause" and rb.options["strategy"] == "replay"
@@ -71,20 +74,24 @@ def test_custom_model_with_a_linear_called_twice(caplog):
     assert not torch.equal(model.layers[0].shared.weight, shared_before)
 
 
-def test_a_failure_midway_leaves_no_threads_or_hooks(monkeypatch):
+@pytest.mark.parametrize("method, strategy", [("gptaq", "replay"), ("gptq", "replay"), ("gptq", "pause")])
+def test_a_failure_midway_leaves_no_threads_or_hooks(monkeypatch, method, strategy):
     before = threading.active_count()
     calls = []
 
-    def fail_second(W, H, c):
+    def fail_second(W, H, *args, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return optq.rtn(W, c)
+        sol = optq.rtn(W, args[-1])  # GPTAQ's solve also takes the cross term, and returns its floor
+        return (sol, W) if method == "gptaq" else sol
 
-    monkeypatch.setattr(solver, "gptq", fail_second)
-    model = build("llama")
+    owner, fn = (gptaq, "gptaq_with_floor") if method == "gptaq" else (solver, "gptq")
+    monkeypatch.setattr(owner, fn, fail_second)
+    model = build("llama")  # GPTAQ's hooks on the float twin are checked too
     with pytest.raises(KeyboardInterrupt):
-        _run(model)
+        _run(model, method=method, strategy=strategy)
+    assert len(calls) == 2
     assert threading.active_count() == before
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
@@ -123,7 +130,7 @@ def test_pause_and_replay_agree_under_the_callers_torch_modes(mode):
         model = build("llama")
         ctx = torch.inference_mode() if mode == "inference_mode" else torch.autocast("cpu", dtype=torch.bfloat16)
         with ctx:
-            report = _run(model, strategy=strategy, batch_size=2)
+            report = _run(model, strategy=strategy, batch_size=2, method="gptq")
         results.append(report)
     pause, replay = results
     for name in pause.solutions:
@@ -144,7 +151,7 @@ def test_a_failure_while_starting_the_paused_forwards_leaves_nothing_behind(monk
     model = build("llama")
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="can't start new thread"):
-        _run(model, strategy="pause", batch_size=1)
+        _run(model, strategy="pause", batch_size=1, method="gptq")
     monkeypatch.setattr(threading.Thread, "start", real_start)
     assert threading.active_count() == before
     for m in model.modules():

@@ -42,7 +42,7 @@ def test_terms_equal_hand_computation(folder):
     h, i, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     n, seqlen, batch = 6, 16, 4
-    p = _plan(folder, nsamples=n, seqlen=seqlen, batch_size=batch)
+    p = _plan(folder, nsamples=n, seqlen=seqlen, batch_size=batch, method="gptq")  # GPTAQ's terms: below
     T = n * seqlen
     assert p.ram["runtime"] == RUNTIME_BYTES
     assert p.ram["activations"] == T * h * 4
@@ -80,11 +80,32 @@ def test_hessian_dtype_doubles_the_predicted_hessian_memory(folder):
 def test_strategy_propagate_dtype_terms(folder):
     h, i = 32, 64
     T = 6 * 16
-    p = _plan(folder, strategy="pause", propagate="original", compute_dtype=torch.bfloat16)
+    p = _plan(folder, strategy="pause", propagate="original", compute_dtype=torch.bfloat16, method="gptq")
     assert p.ram["activations"] == T * h * 2
     assert "recorded outputs (replay)" not in p.ram
     assert p.ram["original outputs"] == T * h * 2
     assert p.ram["paused forwards"] == T * (i + 2 * h) * 2
+
+
+@pytest.mark.parametrize("strategy", ["replay", "pause"])
+def test_gptaq_the_default_doubles_the_passes_and_holds_the_float_chain(folder, strategy):
+    # GPTAQ (the default method) runs a float copy of every block beside the quantized one, on
+    # the float model's activations, and always replays (it pairs every batch with the float block's).
+    cfg = json.loads((folder / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    T = 6 * 16
+    aq, q = _plan(folder, strategy=strategy), _plan(folder, method="gptq")  # GPTQ replaying
+    assert aq.settings["method"] == "gptaq" and q.settings["method"] == "gptq"
+    assert any("every block is replayed" in note for note in aq.notes) == (strategy == "pause")
+    block = (2 * h * h + 2 * kv * h + 3 * i * h + 2 * h) * 4
+    assert aq.ram["float chain, its recorded outputs and block (gptaq)"] == 2 * T * h * 4 + block
+    assert "float chain, its recorded outputs and block (gptaq)" not in q.ram
+    assert aq.ram["recorded outputs (replay)"] == T * h * 4 and "paused forwards" not in aq.ram
+    assert aq.seconds["forwards"] == pytest.approx(2 * q.seconds["forwards"], rel=1e-12)
+    assert aq.seconds["hessians"] == pytest.approx(2 * q.seconds["hessians"], rel=1e-12)
+    key = "journal: activations (2 files while replaced)"
+    assert aq.disk[key] == 2 * q.disk[key] == 2 * 2 * T * h * 4
 
 
 def test_listing_matches_find_linears(folder):
@@ -186,7 +207,8 @@ def test_time_estimate_scales_with_speed(folder):
     hessians = layers * 2 * T * (h * h + h * h + i * i)
     solves = layers * ((h**3 + (2 * h + 2 * kv) * h * h) + (h**3 + 2 * i * h * h) + (i**3 + h * i * i))
     for flops, unit in ((1e9, 1e-9), (1e10, 1e-10)):
-        p = plan(folder, nsamples=n, seqlen=seqlen, config=CFG, speed={"flops": flops, "solve_unit": unit})
+        speed = {"flops": flops, "solve_unit": unit}
+        p = plan(folder, nsamples=n, seqlen=seqlen, config=CFG, speed=speed, method="gptq")
         assert p.seconds["forwards"] == pytest.approx(forwards / flops, rel=1e-12)
         assert p.seconds["hessians"] == pytest.approx(hessians / flops, rel=1e-12)
         assert p.seconds["solves"] == pytest.approx(solves * unit, rel=1e-12)

@@ -10,10 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from pipeline.resume_helpers import LAYERS, OUT_SHARD, SOLVES, Kill, count_solves, journal_state
+from pipeline.resume_helpers import LAYERS, OUT_SHARD, SOLVES, Kill, count_solves, journal_state, on_solve
 from safetensors.torch import load_file, save_file
-
-from optq.core import solver
 
 pytest.importorskip("transformers")
 
@@ -76,11 +74,11 @@ def test_an_interrupt_in_block_0_keeps_the_journal(reference, kit, tmp_path, mon
     """Ctrl-C or a kill is not an error: the user means to --resume, which the journal serves."""
     src, _, _ = reference
 
-    def interrupted(*a, **k):
+    def interrupted(n):
         raise Kill
 
     with monkeypatch.context() as mp:
-        mp.setattr(solver, "gptq", interrupted)
+        on_solve(mp, interrupted)
         with pytest.raises(Kill):
             kit.stream(src, tmp_path / "out", max_shard_size=OUT_SHARD)
     assert journal_state(tmp_path / "out")["done"] == 0

@@ -169,7 +169,8 @@ def _check_gptaq_experts(model: nn.Module, targets: set[str]) -> None:
         raise ValueError(
             f"method='gptaq' pairs each token's input to an expert in the float and the quantized model, which "
             f"needs every token through every expert; the experts of {own[0]} are the model's own code, which "
-            "optq cannot run so (only routed tokens reach them): use method='gptq', or exclude them"
+            "optq cannot run so (only routed tokens reach them): use method='gptq' (--method gptq; GPTAQ is the "
+            "default), or exclude them"
         )
 
 

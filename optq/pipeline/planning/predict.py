@@ -127,7 +127,8 @@ def plan(
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
     gptaq = s.method == "gptaq"  # a float copy of each block runs every pass on the float chain too
-    passes = ((2 if s.strategy == "replay" else 1) + (1 if s.propagate == "original" else 0)) * (1 + gptaq)
+    replay = s.strategy == "replay" or gptaq  # GPTAQ pairs every batch with the float block's: it never pauses
+    passes = ((2 if replay else 1) + (1 if s.propagate == "original" else 0)) * (1 + gptaq)
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
@@ -150,10 +151,10 @@ def plan(
         "runtime": RUNTIME_BYTES,
         "one block": one_block,
         "activations": act,
-        "recorded outputs (replay)": act if s.strategy == "replay" else 0,
+        "recorded outputs (replay)": act if replay else 0,
         "original outputs": act if s.propagate == "original" else 0,
         "float chain, its recorded outputs and block (gptaq)": 2 * act + one_block if gptaq else 0,
-        "paused forwards": T * (inter + 2 * h) * c if s.strategy == "pause" else 0,
+        "paused forwards": T * (inter + 2 * h) * c if not replay else 0,
         "batch temporaries": temps,
         "hessians": tally.peak[0],
         "solve workspace": tally.peak[1],
@@ -190,6 +191,8 @@ def plan(
         "assembly": (tensor_bytes + headers) / 0.5e9,
     }
     notes = []
+    if gptaq and s.strategy == "pause":
+        notes.append("strategy pause: GPTAQ pairs every batch with the float block's, so every block is replayed")
     three_d = [n for n, p in blocks[-1].named_parameters() if p.dim() >= 3]
     if three_d:
         notes.append(
@@ -200,6 +203,7 @@ def plan(
         "nsamples": nsamples,
         "seqlen": seqlen,
         "batch_size": s.batch_size,
+        "method": s.method,
         "bits": config.bits,
         "group_size": config.group_size,
         "strategy": s.strategy,
