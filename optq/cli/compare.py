@@ -1,4 +1,4 @@
-"""``optq compare MODEL``: fp vs round-to-nearest vs GPTQ variants, side by side, per corpus."""
+"""``optq compare MODEL``: fp vs round-to-nearest vs GPTQ and GPTAQ variants, side by side, per corpus."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def register(subparsers: Any) -> None:
         "windows and evaluate all of them on the same evaluation windows of each corpus.",
     )
     p.add_argument("model", metavar="MODEL", help="built-in name, model folder, .gguf file or hub id")
-    p.add_argument("--variants", default="fp,rtn,gptq", help=f"comma-separated; {VARIANT_HELP} (default fp,rtn,gptq)")
+    p.add_argument(
+        "--variants", default="fp,rtn,gptq,gptaq", help=f"comma-separated; {VARIANT_HELP} (default fp,rtn,gptq,gptaq)"
+    )
     g = p.add_argument_group("base settings of the quantized variants")
     g.add_argument("--bits", type=int, default=4)
     g.add_argument("--group-size", type=int, default=128)

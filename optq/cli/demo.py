@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="The main job on the built-in model and data: fetch smollm2-135m, quantize it "
         "to 4-bit group 128 on enwiki calibration, evaluate fp vs round-to-nearest vs optq's default "
         "method (gptaq) on held-out enwiki and German text, print the table, save the checkpoint. "
-        "About 10 min on 2 CPU cores with the defaults.",
+        "About 12 min on 2 CPU cores with the defaults.",
     )
     p.add_argument(
         "-o",
@@ -86,7 +86,7 @@ def run_model(args: argparse.Namespace) -> int:
     variants = [dataclasses.replace(parse_variant(v, config), serve=ENGINES) for v in ("fp", "rtn", method)]
     print(
         f"calibration: {args.nsamples} x {args.seqlen} enwiki tokens; evaluation: {args.windows} x "
-        f"{args.seqlen} tokens of {', '.join(corpus_names)}; settings: {config}",
+        f"{args.seqlen} tokens of {', '.join(corpus_names)}; method: {method} (against rtn); settings: {config}",
         flush=True,
     )
     print(_estimate(hf_config, args, len(corpus_names), len(variants), config), flush=True)
@@ -199,7 +199,7 @@ def _estimate(hf_config: Any, args: argparse.Namespace, corpora: int, variants: 
     evaluate = variants * corpora * args.windows * args.seqlen * 2 * params / speed["flops"]
     minutes = (quantize + evaluate) / 60
     return (
-        f"estimated time on this machine: about {minutes:.0f} min (+-50%; measured 5.3 min on 2 idle "
+        f"estimated time on this machine: about {minutes:.0f} min (+-50%; measured 11.5 min on 2 idle "
         "CPU cores, longer while other work shares them)"
     )
 

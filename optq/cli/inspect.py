@@ -91,6 +91,15 @@ def _by_kind(layers: dict[str, tuple[int, int]], index: dict, prefixes: tuple[st
     return lines
 
 
+def _method(report: dict | None) -> str:
+    """ " by METHOD (H shrunk S toward its diagonal)" from the run's report; "" without one."""
+    options = (report or {}).get("options") or {}
+    if "method" not in options:
+        return ""
+    shrink = ((report or {}).get("config") or {}).get("diag_shrink") or 0
+    return f" by {options['method']}" + (f" (H shrunk {shrink:g} toward its diagonal)" if shrink else "")
+
+
 def _report(folder: Path) -> tuple[dict | None, str | None]:
     """The folder's quantization_report.json (None when absent), and why it could not be read."""
     path = folder / "quantization_report.json"
@@ -193,7 +202,10 @@ def run(args: argparse.Namespace) -> int:
         + (f" (base; {differ} layers differ: see schemes)" if differ else "")
         + f", act-order: {act_order(report, base.desc_act, static)}"
     )
-    print(f"quantized layers: {len(shapes)}; parameters: {quantized / 1e6:.2f} M quantized, {floats / 1e6:.2f} M float")
+    print(
+        f"quantized layers: {len(shapes)}{_method(report)}; parameters: {quantized / 1e6:.2f} M quantized, "
+        f"{floats / 1e6:.2f} M float"
+    )
     print(
         f"size on disk: {disk / 1e6:.1f} MB ({tensor_bytes / 1e6:.1f} MB of tensors); "
         f"fp32: {fp32 / 1e6:.1f} MB; ratio {disk / max(fp32, 1):.3f}"

@@ -68,6 +68,7 @@ def test_a_checkpoint_every_engine_takes_names_the_kernels_and_no_refusal(tmp_pa
     assert not any(v.refused for found in verdicts.values() for v in found.values())  # chosen so
     out = _inspect(folder, capsys)
     assert out[0].endswith("4-bit, group size 32, symmetric, act-order: no")
+    assert out[1].startswith("quantized layers: 14 by gptaq (H shrunk 0.5 toward its diagonal); parameters: ")
     assert out[3] == "engines (from optq/formats/engines.py; the run checked --serve none):"
     assert out[4:7] == [
         "  vllm          14 layers, all on Marlin  (CUDA, tensor parallel 1)",
