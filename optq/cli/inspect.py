@@ -92,7 +92,8 @@ def _by_kind(layers: dict[str, tuple[int, int]], index: dict, prefixes: tuple[st
 
 
 def _method(report: dict | None) -> str:
-    """ " by METHOD (H shrunk S toward its diagonal)" from the run's report; "" without one."""
+    """The method (and shrink) the run used, from its report, as " by gptaq (H shrunk 0.5 toward its
+    diagonal)"; empty without a report that says."""
     options = (report or {}).get("options") or {}
     if "method" not in options:
         return ""

@@ -16,7 +16,7 @@ def add_method_flags(group: Any) -> None:
         choices=("gptq", "gptaq", "rtn"),
         default="gptaq",
         help="gptaq (default): fit each layer to the float model's outputs (GPTAQ, Li et al. 2025; a float copy "
-        "of each block runs beside it: about 1.5-2x GPTQ's time, the activations twice; chosen on the shift "
+        "of each block runs beside it: about 2-3x GPTQ's time, the activations twice; chosen on the shift "
         "matrix, docs/lab.md section 8); gptq: GPTQ on the quantized model's inputs alone; rtn: round to nearest",
     )
     group.add_argument(
