@@ -87,19 +87,32 @@ def run(model: nn.Module, **kw):
     return optq.quantize(model, kw.pop("calib", tokens(n=6, seqlen=16)), kw.pop("config", CFG), **kw)
 
 
+def _codes_on_grid(name: str, weight: torch.Tensor, scale: torch.Tensor, bits: int, tol: float) -> torch.Tensor:
+    """The integer codes q of weight = scale·(q - 2^(bits-1)) (``scale`` per column, [rows, cols]),
+    checked: every weight within ``tol`` grid steps of one, every q in [0, 2^bits - 1]."""
+    q = weight.double() / scale + 2 ** (bits - 1)
+    codes = q.round()
+    off = float((q - codes).abs().max())
+    assert off < tol, f"{name}: a weight lies {off:.3g} grid steps off its grid"
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 2**bits - 1, name
+    return codes
+
+
+def _natural_symmetric(name: str, sol, gidx: torch.Tensor, bits: int) -> None:
+    """The solution's groups are the natural ones (static groups) and its zeros the symmetric one."""
+    assert torch.equal(sol.g_idx.long(), gidx), name
+    assert torch.equal(sol.zeros.long(), torch.full_like(sol.zeros.long(), 2 ** (bits - 1))), name
+
+
 def assert_on_own_grid(name: str, weight: torch.Tensor, sol, bits: int, group_size: int, tol: float = 1e-4) -> None:
     """Check a quantized weight against the symmetric grid its solution names (GPTAQ, the default
     method, fits each static group's grid to its corrected weights, which the test cannot
     recompute): every weight is scale·(q - zero) with q an integer in [0, 2^bits - 1], the zero
-    2^(bits-1), and the groups the natural ones (static groups)."""
-    maxq, zero = 2**bits - 1, 2 ** (bits - 1)
-    q = weight.double() / sol.scales.double()[:, sol.g_idx.long()] + zero
-    codes = q.round()
-    off = float((q - codes).abs().max())
-    assert off < tol, f"{name}: a weight lies {off:.3g} grid steps off its grid"
-    assert int(codes.min()) >= 0 and int(codes.max()) <= maxq, name
-    assert bool((sol.zeros == zero).all()), name
-    assert torch.equal(sol.g_idx.long(), torch.arange(weight.shape[1]) // group_size), name
+    2^(bits-1), the groups the natural ones (static groups), and q the solution's codes."""
+    gidx = torch.arange(weight.shape[1]) // group_size
+    _natural_symmetric(name, sol, gidx, bits)
+    codes = _codes_on_grid(name, weight, sol.scales.double()[:, gidx], bits, tol)
+    assert torch.equal(sol.codes.long(), codes.long()), name
 
 
 def assert_on_static_grid(
@@ -112,22 +125,14 @@ def assert_on_static_grid(
     Every weight must be scale·(q - zero) for an integer q in [0, maxq] (w/scale + zero within
     ``tol`` of an integer), and the solution's scales, zeros, codes and g_idx must be these.
     """
-    maxq = 2**bits - 1
     w0 = original.double()
-    rows, cols = w0.shape
-    gidx = torch.arange(cols) // group_size
+    gidx = torch.arange(w0.shape[1]) // group_size
     groups = int(gidx.max()) + 1
     absmax = torch.stack([w0[:, g * group_size : (g + 1) * group_size].abs().amax(1) for g in range(groups)], 1)
     assert bool((absmax > 0).all()), name
-    scale = 2 * absmax / maxq  # [rows, groups]
-    zero = 2 ** (bits - 1)
-    q = weight.double() / scale[:, gidx] + zero
-    codes = q.round()
-    off = float((q - codes).abs().max())
-    assert off < tol, f"{name}: a weight lies {off:.3g} grid steps off its grid"
-    assert int(codes.min()) >= 0 and int(codes.max()) <= maxq, name
-    assert torch.equal(sol.g_idx.long(), gidx), name
-    assert torch.equal(sol.zeros.long(), torch.full((rows, groups), zero)), name
+    scale = 2 * absmax / (2**bits - 1)  # [rows, groups]
+    codes = _codes_on_grid(name, weight, scale[:, gidx], bits, tol)
+    _natural_symmetric(name, sol, gidx, bits)
     torch.testing.assert_close(sol.scales.double(), scale, rtol=1e-6, atol=0, msg=name)
     assert torch.equal(sol.codes.long(), codes.long()), name
 

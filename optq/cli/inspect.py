@@ -94,11 +94,12 @@ def _by_kind(layers: dict[str, tuple[int, int]], index: dict, prefixes: tuple[st
 def _method(report: dict | None) -> str:
     """The method (and shrink) the run used, from its report, as " by gptaq (H shrunk 0.5 toward its
     diagonal)"; empty without a report that says."""
-    options = (report or {}).get("options") or {}
-    if "method" not in options:
+    report = report or {}
+    method = (report.get("options") or {}).get("method")
+    if method is None:
         return ""
-    shrink = ((report or {}).get("config") or {}).get("diag_shrink") or 0
-    return f" by {options['method']}" + (f" (H shrunk {shrink:g} toward its diagonal)" if shrink else "")
+    shrink = (report.get("config") or {}).get("diag_shrink") or 0
+    return f" by {method}" + (f" (H shrunk {shrink:g} toward its diagonal)" if shrink else "")
 
 
 def _report(folder: Path) -> tuple[dict | None, str | None]:

@@ -69,15 +69,15 @@ def test_existing_output_is_refused_unless_overwrite(model_dir, tmp_path, capsys
 
 @pytest.mark.parametrize("where", ["solver", "writing"])
 def test_interrupt_leaves_no_output_and_resumes(model_dir, tmp_path, monkeypatch, where):
-    from optq.core import gptaq, solver
+    from pipeline.resume_helpers import on_solve
+
     from optq.pipeline.stream import assemble
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    if where == "solver":  # Ctrl-C in the middle of the block loop (GPTAQ's solve: the default method)
-        monkeypatch.setattr(gptaq, "gptaq_with_floor", interrupted)
-        monkeypatch.setattr(solver, "gptq", interrupted)
+    if where == "solver":  # Ctrl-C in the middle of the block loop, at the first solve (either method's)
+        on_solve(monkeypatch, interrupted)
     else:  # Ctrl-C at the checkpoint's last file, just before the folder gets its name
         real = assemble.write_json
         monkeypatch.setattr(
