@@ -5,17 +5,29 @@ stored bits per quantized weight (codes, scales, zero points and g_idx counted, 
    and per channel, those every engine of ``serve`` runs (``options``); layers vLLM fuses (q/k/v,
    gate/up) form one unit with one setting.
 2. Sensitivity (``passes.measure``): the float model block by block on most of the calibration
-   batches; each layer's round-to-nearest objective ½ tr(Δ H Δᵀ) at every candidate setting.
+   batches; each layer's objective ½ tr(Δ H Δᵀ) at every candidate setting, Δ being what the
+   run's method leaves: GPTQ's solution on the float model's H (GPTQ and GPTAQ runs; GPTAQ's own
+   result needs the quantized model's inputs, which depend on the allocation), or rounding
+   (``method="rtn"``).
+   In the same pass, each block's gain: the KL at the model's output when only that block is
+   quantized (every layer at its base setting: the widest bits within the budget, the finest
+   group), on the first sensitivity batch carried to the end once per block. Layer objectives
+   measure errors at each layer's output; the gains say what errors cost where they are made
+   (SmolLM2's first and last blocks cost most). The streams take one batch per block; past
+   ``max_hessian_memory`` the gains are skipped, and the report says so.
 3. Candidate allocations: the exact-size knapsack (``knapsack.solve``) under three error
    weightings (the objective; the objective relative to ½ tr(W H Wᵀ); their geometric mean),
-   and the fixed heuristics (uniform 3 and 4 bits; first and last blocks at 4; attention at 4
-   and MLP at 3; down projections at 4), each at the finest common group size that fits.
-   Allocations some named engine refuses as a whole model (``schemes.resolve``) are dropped.
+   each alone and with every layer's weighted error scaled so that its block sums to the block's
+   gain (``+blocks``), and the fixed heuristics (uniform 3 and 4 bits; first and last blocks at
+   4; attention at 4 and MLP at 3; down projections at 4), each at the finest common group size
+   that fits. Allocations some named engine refuses as a whole model (``schemes.resolve``) are
+   dropped.
 4. Summed layer errors do not predict the model's loss (EvoPress, Sieberling et al. 2024), so
    the allocations are compared by their effect on the output (``passes.divergence``): mean
-   KL(float || round-to-nearest model) per token on the calibration batches held out of step 2
-   (the last quarter; with one batch, that batch). The lowest KL wins. Round-to-nearest stands
-   in for GPTQ here: cheap, and an assumption (that GPTQ keeps the candidates' order).
+   KL(float || quantized model) per token on the calibration batches held out of step 2 (the
+   last quarter; with one batch, that batch), each candidate's layers quantized as in step 2.
+   The lowest KL wins. The proxy stands in for the run: GPTQ on float inputs for GPTAQ, which
+   corrects for the quantized inputs too.
 
 The result is JSON (the report's ``allocation``; the streaming journal keeps it, so a resumed run
 quantizes with the same settings) and becomes per-layer schemes through :func:`apply`.
@@ -34,7 +46,7 @@ from torch import nn
 from optq.formats.linears import get_weight
 from optq.pipeline.allocation import knapsack
 from optq.pipeline.allocation.options import Setting, heuristics, layer_settings, stored_bits, units_of
-from optq.pipeline.allocation.passes import Streams, divergence, measure
+from optq.pipeline.allocation.passes import Gains, Streams, divergence, measure
 from optq.pipeline.blocks.capture import Call
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.schemes import resolve
@@ -123,8 +135,17 @@ def plan(
     hidden, calls = activations
     fit, held = _split(len(hidden))
     ids = run.batches
-    errors, energy = measure(run, source, _streams(hidden, calls, ids, fit), options)
-    candidates = _candidates(names, units, unit_options, errors, energy, sizes, budget)
+    solve = _solve(run)
+    logits = head_logits(model, run.blocks_name)
+    base = _base(units, unit_options, target)
+    gains = Gains(_streams(hidden, calls, ids, fit[:1]), base, logits)  # not the KL check's windows
+    held_bytes = len(run.blocks) * sum(h.numel() * h.element_size() for h in gains.streams.hidden)
+    if held_bytes > s.hessian_budget:  # one stream per block: skipped rather than grow with depth
+        gains = None
+    errors, energy, block_kl = measure(run, source, _streams(hidden, calls, ids, fit), options, solve, gains)
+    factors = {kind: _block_factors(run, names, (kind, errors, energy), base, block_kl) for kind in WEIGHTINGS}
+    factors = factors if block_kl else {}
+    candidates = _candidates(names, units, unit_options, (errors, energy, factors), sizes, budget)
     refused = {}
     for key, allocation in list(candidates.items()):
         try:
@@ -138,9 +159,21 @@ def plan(
             + "; ".join(f"{k}: {why}" for k, why in list(refused.items())[:3])
             + ". Name only the engines you serve with (--serve), or use --format compressed-tensors"
         )
-    kl = divergence(run, source, _streams(hidden, calls, ids, held), candidates, head_logits(model, run.blocks_name))
+    kl = divergence(
+        run,
+        source,
+        _streams(hidden, calls, ids, held),
+        candidates,
+        logits,
+        fit=_streams(hidden, calls, ids, fit) if solve == "gptq" else None,
+    )
     chosen = min(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
-    return _result(run, (candidates, kl, refused, chosen), sizes, energy, errors, (fit, held, start))
+    return _result(run, (candidates, kl, refused, chosen, (base, block_kl)), sizes, energy, errors, (fit, held, start))
+
+
+def _solve(run: Run) -> str:
+    """How the proxy quantizes a layer (``passes.SOLVES``): as the run's method, GPTQ for GPTAQ."""
+    return "rtn" if run.settings.method == "rtn" else "gptq"
 
 
 def _streams(hidden: Sequence[torch.Tensor], calls: Sequence[Sequence[Call]], ids, which: list[int]) -> Streams:
@@ -158,20 +191,58 @@ def _weighted(kind: str, err: float, energy: float) -> float:
     return err / scale if scale > 0 else err
 
 
-def _candidates(names, units, unit_options, errors, energy, sizes, budget) -> dict[str, dict[str, Setting]]:
-    """The allocations to compare, by name, identical ones once (the first name kept)."""
+def _base(units, unit_options, target: float) -> dict[str, Setting]:
+    """Each layer's setting for the block gains: the widest bits not above the budget (the
+    narrowest the unit takes if none) at the finest group size the unit takes there."""
+    order = {g: k for k, g in enumerate((32, 64, 128, -1))}
+    out = {}
+    for u in units:
+        opts = unit_options[u[0]]
+        fits = [b for b, _ in opts if b <= target]
+        bits = max(fits) if fits else min(b for b, _ in opts)
+        setting = min((o for o in opts if o[0] == bits), key=lambda o: order[o[1]])
+        out.update({m: setting for m in u})
+    return out
+
+
+def _block_factors(run: Run, names, measured, base, block_kl: Mapping[int, float]) -> dict[str, float]:
+    """Each layer's factor turning its weighted objective into its share of its block's KL: the
+    block's KL (only that block quantized at ``base``) over the block's summed weighted objective
+    at ``base``. Layer objectives measure errors at each layer's output; the block's KL says what
+    such errors cost at the model's output there (the first and last blocks' cost more)."""
+    kind, errors, energy = measured
+    out = {}
+    for i in range(len(run.blocks)):
+        members = [n for n in names if n.startswith(run.block_name(i) + ".")]
+        total = sum(_weighted(kind, errors[n][base[n]], energy[n]) for n in members)
+        for n in members:
+            out[n] = block_kl[i] / total if i in block_kl and total > 0 else 1.0
+    return out
+
+
+def _candidates(names, units, unit_options, measured, sizes, budget) -> dict[str, dict[str, Setting]]:
+    """The allocations to compare, by name, identical ones once (the first name kept): the
+    knapsack under each weighting, alone and scaled by each layer's block factor (``+blocks``),
+    then the heuristics."""
+    errors, energy, factors = measured
     out: dict[str, dict[str, Setting]] = {}
-    for kind in WEIGHTINGS:
-        table = [
-            [
-                (sum(sizes[(m, o)] for m in u), sum(_weighted(kind, errors[m][o], energy[m]) for m in u))
-                for o in unit_options[u[0]]
+    for scaled in (True, False) if factors else (False,):
+        for kind in WEIGHTINGS:
+            factor = factors[kind] if scaled else dict.fromkeys(names, 1.0)
+            table = [
+                [
+                    (
+                        sum(sizes[(m, o)] for m in u),
+                        sum(_weighted(kind, errors[m][o], energy[m]) * factor[m] for m in u),
+                    )
+                    for o in unit_options[u[0]]
+                ]
+                for u in units
             ]
-            for u in units
-        ]
-        choice = knapsack.solve(table, budget)
-        if choice is not None:
-            _add(out, f"knapsack-{kind}", {m: unit_options[u[0]][j] for u, j in zip(units, choice) for m in u})
+            choice = knapsack.solve(table, budget)
+            if choice is not None:
+                key = f"knapsack-{kind}" + ("+blocks" if scaled else "")
+                _add(out, key, {m: unit_options[u[0]][j] for u, j in zip(units, choice) for m in u})
     for key, bits in heuristics(names).items():
         for group in (32, 64, 128, -1):  # the finest that fits: the most accurate at this size
             allocation = _with_group(units, unit_options, bits, group)
@@ -200,7 +271,7 @@ def _with_group(units, unit_options, bits: Mapping[str, int], group: int) -> dic
 
 
 def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
-    candidates, kl, refused, chosen = outcome
+    candidates, kl, refused, chosen, (base, block_kl) = outcome
     fit, held, start = when
     names = sorted(run.targets)
     weights = {n: math.prod(get_weight(run.linears[n]).shape) for n in names}
@@ -211,9 +282,10 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
 
     windows = sum(int(run.batches[b].shape[0]) for b in held)
     best = candidates[chosen]
+    proxy = {"gptq": "GPTQ on the float model's H", "rtn": "round-to-nearest"}[_solve(run)]
     why = (
         f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
-        f"({kl[chosen]:.4g} per token, round-to-nearest, {windows} held-out windows) of {len(candidates)} checked"
+        f"({kl[chosen]:.4g} per token, {proxy}, {windows} held-out windows) of {len(candidates)} checked"
     )
     layers = {}
     for n in names:
@@ -223,15 +295,21 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
             "bits": b,
             "group_size": g,
             "bits_per_weight": sizes[(n, best[n])] / weights[n],
-            "rtn_relative_error": rel,
-            "why": f"{why}; {b}-bit, group {g}" + ("" if rel is None else f", its round-to-nearest error {rel:.3g}"),
+            "relative_error": rel,
+            "why": f"{why}; {b}-bit, group {g}" + ("" if rel is None else f", its relative error {rel:.3g}"),
         }
     return {
         "target_bits": run.settings.target_bits,
         "bits_per_weight": bpw(best),
         "chosen": chosen,
-        "proxy": "mean KL(float || round-to-nearest) per token on held-out calibration windows",
+        "proxy": f"mean KL(float || quantized model) per token on held-out calibration windows, {proxy}",
         "windows": {"sensitivity_batches": fit, "kl_batches": held, "kl_windows": windows},
+        "gains": {  # each block's KL with only that block quantized, every layer at its base setting
+            "batches": fit[:1] if block_kl else [],
+            "skipped": None if block_kl else f"{len(run.blocks)} streams would exceed max_hessian_memory",
+            "base": {n: list(base[n]) for n in names},
+            "block_kl": [block_kl.get(i) for i in range(len(run.blocks))],
+        },
         "candidates": {
             **{k: {"bits_per_weight": bpw(a), "kl": kl[k]} for k, a in candidates.items()},
             **{k: {"refused": why_not} for k, why_not in refused.items()},

@@ -1,15 +1,24 @@
 """The two block-by-block passes of ``--target-bits`` over the unquantized model.
 
 :func:`measure`: each block on the sensitivity windows, every target's H = 2XᵀX/n collected by
-hooks (one per shared input), then for every candidate setting the round-to-nearest objective
-½ tr(Δ H Δᵀ) (no GPTQ solve) and the layer's ½ tr(W H Wᵀ); the block's float outputs feed the
-next block.
+hooks (one per shared input), then for every candidate setting the objective ½ tr(Δ H Δᵀ) of
+the layer quantized at that setting, and the layer's ½ tr(W H Wᵀ); the block's float outputs
+feed the next block.
 
 :func:`divergence`: the held-out windows carried through the model once per candidate
-allocation (and once in float): each block runs with the candidate's round-to-nearest weights
-on that candidate's stream only; at the end the final norm and the head turn every stream into
+allocation (and once in float): each block runs with the candidate's quantized weights on that
+candidate's stream only; at the end the final norm and the head turn every stream into
 next-token distributions, and each candidate scores the mean KL(float || candidate) per token.
-Both read each block once through the run's block source and leave its weights as they were.
+
+How a layer is quantized in both (``solve``): ``"gptq"``, GPTQ with the layer's own settings
+(act-order, damping, ``diag_shrink``) on the float model's H from the sensitivity windows, one
+factorisation per layer shared by every setting; or ``"rtn"``, round-to-nearest (no H needed).
+GPTQ compensates inside each layer, so the layers where rounding hurts most are not those where
+GPTQ's result hurts most: with ``"rtn"`` the proxy misranked allocations that GPTQ then
+quantized (docs/allocation.md). For ``divergence`` with ``"gptq"`` the sensitivity windows are
+carried through the float model again for H (one float forward per block, no solve kept from
+``measure``: memory stays one block's). Both read each block once through the run's block
+source and leave its weights as they were.
 """
 
 from __future__ import annotations
@@ -20,16 +29,17 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from optq.core import grid
+from optq.core import grid, solver
 from optq.core.config import QuantConfig
 from optq.core.hessian import Hessian
 from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline.blocks.capture import Call, discover_subsets, run_block
 from optq.pipeline.blocks.prepare import Run
 
-__all__ = ["rtn_weight", "measure", "divergence", "Streams"]
+__all__ = ["rtn_weight", "measure", "divergence", "Streams", "Gains", "SOLVES"]
 
 Setting = tuple[int, int]
+SOLVES = ("gptq", "rtn")
 
 
 def rtn_weight(w: torch.Tensor, config: QuantConfig, setting: Setting) -> torch.Tensor:
@@ -41,6 +51,21 @@ def rtn_weight(w: torch.Tensor, config: QuantConfig, setting: Setting) -> torch.
     return grid.fake_quantize(w, scale[:, idx], zero[:, idx], cfg.maxq)
 
 
+def _quantized(
+    w: torch.Tensor, H: torch.Tensor | None, config: QuantConfig, settings: Sequence[Setting], solve: str
+) -> dict[Setting, torch.Tensor]:
+    """``w`` (float32) quantized at each of ``settings`` by ``solve`` (see the module's doc);
+    GPTQ falls back to round-to-nearest for a layer no token reached (``H`` None)."""
+    if solve == "rtn" or H is None:
+        return {s: rtn_weight(w, config, s) for s in settings}
+    factors = solver.factored(w, H, config)
+    out = {}
+    for s in settings:
+        cfg = dataclasses.replace(config, bits=s[0], group_size=s[1])
+        out[s] = solver.sweep(w, factors, cfg, torch.float32).weight
+    return out
+
+
 @dataclasses.dataclass
 class Streams:
     """Batches of hidden states entering block 0 and every block's call arguments for them."""
@@ -48,6 +73,16 @@ class Streams:
     hidden: list[torch.Tensor]
     calls: list[list[Call]]  # calls[block][batch]
     ids: list[torch.Tensor]  # the token ids of each batch
+
+
+@dataclasses.dataclass
+class Gains:
+    """What :func:`measure` needs to measure each block's effect on the output: the windows
+    (``streams``, float, consumed), each layer's ``base`` setting, and the head (``logits``)."""
+
+    streams: Streams
+    base: Mapping[str, Setting]
+    logits: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _targets(run: Run, i: int, block: nn.Module) -> dict[str, nn.Module]:
@@ -80,28 +115,79 @@ def _hessians(run: Run, linears: Mapping[str, nn.Module], block: nn.Module, stre
 
 
 def measure(
-    run: Run, source, streams: Streams, options: Mapping[str, Sequence[Setting]]
-) -> tuple[dict[str, dict[Setting, float]], dict[str, float]]:
-    """Round-to-nearest objective of every target at each of its ``options`` settings, and its
-    ½ tr(W H Wᵀ), on the sensitivity windows of ``streams`` (consumed: replaced by outputs)."""
+    run: Run,
+    source,
+    streams: Streams,
+    options: Mapping[str, Sequence[Setting]],
+    solve: str = "gptq",
+    gains: Gains | None = None,
+) -> tuple[dict[str, dict[Setting, float]], dict[str, float], dict[int, float]]:
+    """The objective of every target quantized (by ``solve``) at each of its ``options``
+    settings, and its ½ tr(W H Wᵀ), on the sensitivity windows of ``streams`` (consumed:
+    replaced by outputs); with ``gains``, each block's KL: mean KL(float || the model with only
+    that block quantized, every layer at its ``base`` setting) per token on ``gains.streams``,
+    by block index. That is one more stream per block carried to the end beside the float one
+    (``len(blocks)`` streams of the gains windows held at the last block; block forwards grow
+    with the square of the depth, on those windows only)."""
     errors: dict[str, dict[Setting, float]] = {}
     energy: dict[str, float] = {}
+    fp = list(gains.streams.hidden) if gains is not None else []
+    alone: dict[int, list[torch.Tensor]] = {}  # block -> its stream (only that block quantized)
     with torch.no_grad():
         for i, block in enumerate(run.blocks):
             source.load(i, block)
             try:
                 linears = _targets(run, i, block)
                 hessians, outs = _hessians(run, linears, block, streams, i)
+                base = {}
                 for name, mod in linears.items():
                     w = get_weight(mod).float()
                     hess = hessians.get(name)
                     H = hess.matrix().float() if hess is not None and hess.count else None
                     energy[name] = _half_trace(w, H)
-                    errors[name] = {s: _half_trace(rtn_weight(w, run.config_of(name), s) - w, H) for s in options[name]}
+                    quantized = _quantized(w, H, run.config_of(name), options[name], solve)
+                    errors[name] = {s: _half_trace(q - w, H) for s, q in quantized.items()}
+                    if gains is not None:
+                        base[name] = quantized[gains.base[name]].to(get_weight(mod).dtype)
+                if gains is not None:
+                    fp = _alone(block, linears, base, (fp, gains.streams.calls[i]), alone, i)
             finally:
                 source.release(i, block)
             streams.hidden = outs
-    return errors, energy
+        kl = _mean_kl(fp, alone, gains.logits) if gains is not None else {}
+    return errors, energy, kl
+
+
+def _alone(block, linears, base, inputs, alone: dict[int, list[torch.Tensor]], i: int) -> list[torch.Tensor]:
+    """Carry every earlier block's stream through ``block`` in float, start block ``i``'s own
+    stream (``block`` at ``base`` weights on the float input) and return the float output."""
+    fp, calls = inputs
+    for j, hidden in alone.items():
+        alone[j] = [run_block(block, h, c) for h, c in zip(hidden, calls)]
+    out = [run_block(block, h, c) for h, c in zip(fp, calls)]
+    original = {n: get_weight(m).clone() for n, m in linears.items()}
+    try:
+        for n, m in linears.items():
+            set_weight(m, base[n])
+        alone[i] = [run_block(block, h, c) for h, c in zip(fp, calls)]
+    finally:
+        for n, m in linears.items():
+            set_weight(m, original[n])
+    return out
+
+
+def _mean_kl(fp: Sequence[torch.Tensor], streams: Mapping, logits) -> dict:
+    """Mean KL(float || stream) per token at the head, for each of ``streams`` (by key)."""
+    total = {k: 0.0 for k in streams}
+    count = 0
+    for b, h in enumerate(fp):
+        for w in range(h.shape[0]):  # one window at a time: vocab-sized logits are large
+            p = torch.log_softmax(logits(h[w : w + 1]).float(), dim=-1)
+            count += p.shape[-2] * p.shape[0]
+            for k, hidden in streams.items():
+                q = torch.log_softmax(logits(hidden[b][w : w + 1]).float(), dim=-1)
+                total[k] += float((p.exp() * (p - q)).sum())
+    return {k: v / max(count, 1) for k, v in total.items()}
 
 
 def _half_trace(d: torch.Tensor, H: torch.Tensor | None) -> float:
@@ -117,9 +203,11 @@ def divergence(
     streams: Streams,
     allocations: Mapping[str, Mapping[str, Setting]],
     logits: Callable[[torch.Tensor], torch.Tensor],
+    fit: Streams | None = None,
 ) -> dict[str, float]:
-    """Mean KL(float || candidate) per token of each allocation's round-to-nearest model on the
-    windows of ``streams``; ``logits`` maps final hidden states [b, t, h] to logits."""
+    """Mean KL(float || candidate) per token of each allocation's quantized model on the windows
+    of ``streams``; ``logits`` maps final hidden states [b, t, h] to logits. With ``fit`` (the
+    sensitivity windows, consumed) layers are quantized by GPTQ on H from them, else rounded."""
     fp = list(streams.hidden)
     cand = {k: list(streams.hidden) for k in allocations}
     with torch.no_grad():
@@ -127,27 +215,32 @@ def divergence(
             source.load(i, block)
             linears = _targets(run, i, block)
             original = {n: get_weight(m).clone() for n, m in linears.items()}
-            rounded: dict[tuple[str, Setting], torch.Tensor] = {}
             try:
+                quantized = _block_candidates(run, (i, block), linears, allocations, fit)
                 fp = [run_block(block, h, c) for h, c in zip(fp, streams.calls[i])]
                 for key, allocation in allocations.items():
                     for n, m in linears.items():
-                        s = allocation[n]
-                        if (n, s) not in rounded:
-                            rounded[(n, s)] = rtn_weight(original[n], run.config_of(n), s).to(original[n].dtype)
-                        set_weight(m, rounded[(n, s)])
+                        set_weight(m, quantized[(n, allocation[n])].to(original[n].dtype))
                     cand[key] = [run_block(block, h, c) for h, c in zip(cand[key], streams.calls[i])]
             finally:
                 for n, m in linears.items():
                     set_weight(m, original[n])
                 source.release(i, block)
-        total = {k: 0.0 for k in allocations}
-        count = 0
-        for b, h in enumerate(fp):
-            for w in range(h.shape[0]):  # one window at a time: vocab-sized logits are large
-                p = torch.log_softmax(logits(h[w : w + 1]).float(), dim=-1)
-                count += p.shape[-2] * p.shape[0]
-                for k in allocations:
-                    q = torch.log_softmax(logits(cand[k][b][w : w + 1]).float(), dim=-1)
-                    total[k] += float((p.exp() * (p - q)).sum())
-    return {k: v / max(count, 1) for k, v in total.items()}
+        return _mean_kl(fp, cand, logits)
+
+
+def _block_candidates(run: Run, where, linears, allocations, fit: Streams | None):
+    """Every (layer, setting) the allocations use in this block, quantized; ``fit`` advanced."""
+    i, block = where
+    hessians = {}
+    if fit is not None:
+        hessians, fit.hidden = _hessians(run, linears, block, fit, i)
+    out: dict[tuple[str, Setting], torch.Tensor] = {}
+    for n, m in linears.items():
+        settings = sorted({a[n] for a in allocations.values()})
+        hess = hessians.get(n)
+        H = hess.matrix().float() if hess is not None and hess.count else None
+        solve = "gptq" if fit is not None else "rtn"
+        for s, q in _quantized(get_weight(m).float(), H, run.config_of(n), settings, solve).items():
+            out[(n, s)] = q
+    return out
