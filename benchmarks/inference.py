@@ -1,6 +1,6 @@
 """Serving speed and memory on CPU: fp32 against optq's 2-, 3-, 4- and 8-bit checkpoints.
 
-Each checkpoint is what `optq quantize MODEL --bits B` writes at the default settings (GPTQ, the
+Each checkpoint is what `optq quantize MODEL --bits B` writes at the default settings (the
 engines' group sizes: 64 on SmolLM2; ``--nsamples`` may cut the calibration, which changes the
 codes, not the layout or the speed), made once into ``--work`` and reused. Each measurement
 runs in its own child process (so its RSS is that variant's alone), the variants alternating,
@@ -8,21 +8,25 @@ runs in its own child process (so its RSS is that variant's alone), the variants
 
 - prefill: tokens/s of the first new token after a ``--prompt``-token prompt, through ``generate``
 - decode: tokens/s of the next ``--decode`` - 1 tokens (greedy, no early stop)
-- unless ``--no-compile``: each of fp32 and optq's widths again with the decoding step
+- unless ``--no-compile``: each variant of fp32 and optq again with the decoding step
   compiled (``optq generate --compile``: torch.compile, a static KV cache), after a warm-up of
-  the same shapes (its time: ``warmup_s``)
+  the same shapes (its time: ``warmup_s``), whose freed memory is then handed back to the system
+  as ``optq generate --compile`` does
 - RSS: the process's resident memory after the run minus before loading (the loaded model,
   its kernels' caches, the run's activations and what the allocator kept of them; the model
   alone: ``optq.load`` or ``from_pretrained``, no tokenizer); tensors: the model's parameters
   and buffers plus the fast path's packed codes
 
 optq's checkpoints load with the embedding table and head in bfloat16 (``optq.load``'s default);
-the 4-bit one is also measured with them in fp32 and int8 (``optq.load(embeddings=...)``), with
-the perplexity of each storage on every corpus (``--quality-windows`` windows of 512 tokens of
-each of ``--quality-texts``), and through
+the 4-bit one is also measured at its leanest (``optq generate --embeddings int8 --dtype
+bfloat16``: int8 table and head, bfloat16 norms, activations and KV cache), with the table and
+head in fp32 and int8 alone (unless ``--no-storage``), with the perplexity of each storage on
+every corpus (``--quality-windows`` windows of 512 tokens of each of ``--quality-texts``), and
+through
 transformers + GPTQModel 7.7's CPU kernel (bfloat16) where the tests' GPTQModel site is cached
-(``--no-gptqmodel`` skips it). The libraries (torch, transformers, optq, the model's code) are
-imported before the baseline RSS: the model, not the runtime, is measured.
+(``--no-gptqmodel`` skips it). The libraries (torch, transformers, optq, the model's code, and
+for compiled variants torch's compiler) are imported before the baseline RSS: the model, not
+the runtime, is measured; what compiling the model leaves resident is counted.
 
     python benchmarks/inference.py [--model smollm2-135m] [--bits 4,3,2,8] [--repeats 3]
 """
@@ -61,6 +65,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 import optq
 MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(spec["folder"]))]
+if spec.get("compile"):  # the compiler is a library too (112 MB resident once imported)
+    import torch._dynamo, torch._inductor.compile_fx  # noqa: F401
 base = rss_mb()
 t0 = time.perf_counter()
 extra = 0
@@ -70,7 +76,8 @@ elif spec["kind"] == "hf":
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], dtype=torch.float32).eval()
 else:
     from optq.formats.qlinear import QuantLinear
-    model = optq.load(spec["folder"], embeddings=spec["embeddings"] or "bfloat16")  # builds the fast paths
+    dtype = getattr(torch, spec.get("dtype") or "float32")  # of the float parts (optq generate --dtype)
+    model = optq.load(spec["folder"], embeddings=spec["embeddings"] or "bfloat16", dtype=dtype)  # builds fast paths
     qs = [m for m in model.modules() if isinstance(m, QuantLinear)]
     fast = sum(q.build_fast_path() for q in qs)
     assert fast == len(qs), f"{len(qs) - fast} layers off the fast path"
@@ -86,6 +93,8 @@ with torch.inference_mode():
         from optq.eval.speed import compiled_decoding
         opts.update(compiled_decoding())
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, **opts)
+        from optq.core.memory import release_host_memory
+        release_host_memory()  # as optq generate --compile does after its warm-up
     else:
         model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **opts)
     warmup_s = time.perf_counter() - t0
@@ -158,6 +167,12 @@ def main() -> int:
     ap.add_argument("--quality-texts", default=TEXTS, help=f"corpora for it (default {TEXTS})")
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip transformers + GPTQModel")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
+    ap.add_argument(
+        "--no-storage",
+        dest="storage",
+        action="store_false",
+        help="skip the fp32 and int8 embedding variants and their perplexity",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from optq.data.corpora import cache_dir
@@ -171,14 +186,13 @@ def main() -> int:
     folders = {b: str(_checkpoint(args.model, b, work, extra)) for b in bits}
     variants = [{"name": "fp32", "kind": "hf", "folder": fp, "embeddings": None}]
     variants += [{"name": f"optq {b}-bit", "kind": "optq", "folder": folders[b], "embeddings": None} for b in bits]
+    if 4 in bits:  # the leanest loading: int8 embedding table and head, bfloat16 float parts
+        lean = {"kind": "optq", "folder": folders[4], "embeddings": "int8", "dtype": "bfloat16"}
+        variants.append({"name": "optq 4-bit, int8 embed, bf16", **lean})
     if args.compile:  # the same, with the decoding step compiled (optq generate --compile)
         compiled = [v for v in variants if v["kind"] in ("hf", "optq")]
-        if 4 in bits:
-            compiled.append(
-                {"name": "optq 4-bit, int8 embed", "kind": "optq", "folder": folders[4], "embeddings": "int8"}
-            )
         variants += [{**v, "name": f"{v['name']}, compiled", "compile": True} for v in compiled]
-    if 4 in bits:  # the embedding storage optq.load does not choose by default (it stores bfloat16)
+    if 4 in bits and args.storage:  # the embedding storage optq.load does not choose by default (bfloat16)
         for kind in ("model", "int8"):
             name = f"optq 4-bit, {'fp32' if kind == 'model' else kind} embed"
             variants.append({"name": name, "kind": "optq", "folder": folders[4], "embeddings": kind})
@@ -204,7 +218,7 @@ def main() -> int:
             for k in ("rss_mb", "rss_load_mb", "load_s", "warmup_s", "tensors_mb"):
                 b[k] = min(b[k], res[k])
     quality = {}
-    if args.quality_windows and 4 in bits:
+    if args.quality_windows and 4 in bits and args.storage:
         proc = subprocess.run(
             [sys.executable, "-c", QUALITY, folders[4], str(args.quality_windows), args.quality_texts],
             capture_output=True,
