@@ -166,7 +166,7 @@ def test_the_chosen_allocation_has_the_least_kl_recomputed_on_the_whole_model(on
     checked = 0
     for key, row in found.items():
         base = key.rsplit("-g", 1)
-        if base[0] not in HEURISTICS:
+        if base[0] not in HEURISTICS or key.endswith("+fill"):
             continue
         bits = heuristics(names)[base[0]]
         group = int(base[1])
@@ -266,6 +266,43 @@ def test_a_streamed_run_stores_at_most_the_budget_and_resumes_byte_identically(k
 def test_budgets_out_of_range_are_refused(bad):
     with pytest.raises(ValueError, match="target_bits"):
         RunSettings(target_bits=bad)
+
+
+def test_a_filled_heuristic_keeps_every_layer_at_least_as_stored_and_costs_no_more():
+    # "+fill": a heuristic whose unused budget the knapsack spends, no layer below the
+    # heuristic's bits or coarser than its group; under the weighting it minimises, it can only
+    # lower the heuristic's cost (the heuristic itself is among its choices).
+    from optq.pipeline.allocation import allocate
+    from optq.pipeline.allocation.options import layer_settings, stored_bits, units_of
+
+    model = _model()
+    names = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in n)
+    shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in names}
+    options = {n: layer_settings(shapes[n], CFG, (), "gptq") for n in names}
+    units = units_of(names)
+    unit_options = {u[0]: options[u[0]] for u in units}
+    rng = random.Random(0)
+    errors = {n: {o: rng.uniform(0.5, 2.0) * 2.0 ** -(o[0] * 2) for o in options[n]} for n in names}
+    energy = dict.fromkeys(names, 1.0)
+    factors = {k: {n: rng.uniform(0.5, 4.0) for n in names} for k in allocate.WEIGHTINGS}
+    sizes = {(n, o): stored_bits(shapes[n], o, CFG, "gptq") for n in names for o in options[n]}
+    weights = sum(a * b for a, b in shapes.values())
+    budget = 3.5 * weights
+    found = allocate._candidates(names, units, unit_options, (errors, energy, factors), sizes, budget)
+    fills = [k for k in found if k.endswith("+fill")]
+    assert fills
+
+    def cost(allocation):
+        return sum(errors[n][o] * factors["geometric"][n] for n, o in allocation.items())  # energy 1: err / 1
+
+    order = (32, 64, 128, -1)
+    for key in fills:
+        base = found[key.removesuffix("+fill")]
+        fill = found[key]
+        assert sum(sizes[(n, o)] for n, o in fill.items()) <= budget
+        assert all(fill[n][0] >= base[n][0] and order.index(fill[n][1]) <= order.index(base[n][1]) for n in names)
+        assert cost(fill) <= cost(base) + 1e-12
+        assert fill != base  # the budget left bought something
 
 
 def test_a_budget_below_every_allocation_says_what_is_achievable(one_thread):

@@ -18,10 +18,11 @@ stored bits per quantized weight (codes, scales, zero points and g_idx counted, 
 3. Candidate allocations: the exact-size knapsack (``knapsack.solve``) under three error
    weightings (the objective; the objective relative to ½ tr(W H Wᵀ); their geometric mean),
    each alone and with every layer's weighted error scaled so that its block sums to the block's
-   gain (``+blocks``), and the fixed heuristics (uniform 3 and 4 bits; first and last blocks at
-   4; attention at 4 and MLP at 3; down projections at 4), each at the finest common group size
-   that fits. Allocations some named engine refuses as a whole model (``schemes.resolve``) are
-   dropped.
+   gain (``+blocks``); the fixed heuristics (uniform 3 and 4 bits; first and last blocks at 4;
+   attention at 4 and MLP at 3; down projections at 4), each at the finest common group size
+   that fits; and each heuristic with the budget it leaves spent by the knapsack, no layer
+   stored below the heuristic's setting (``+fill``). Allocations some named engine refuses as a
+   whole model (``schemes.resolve``) are dropped.
 4. Summed layer errors do not predict the model's loss (EvoPress, Sieberling et al. 2024), so
    the allocations are compared by their effect on the output (``passes.divergence``): mean
    KL(float || quantized model) per token on the calibration batches held out of step 2 (the
@@ -194,13 +195,12 @@ def _weighted(kind: str, err: float, energy: float) -> float:
 def _base(units, unit_options, target: float) -> dict[str, Setting]:
     """Each layer's setting for the block gains: the widest bits not above the budget (the
     narrowest the unit takes if none) at the finest group size the unit takes there."""
-    order = {g: k for k, g in enumerate((32, 64, 128, -1))}
     out = {}
     for u in units:
         opts = unit_options[u[0]]
         fits = [b for b, _ in opts if b <= target]
         bits = max(fits) if fits else min(b for b, _ in opts)
-        setting = min((o for o in opts if o[0] == bits), key=lambda o: order[o[1]])
+        setting = min((o for o in opts if o[0] == bits), key=lambda o: _ORDER[o[1]])
         out.update({m: setting for m in u})
     return out
 
@@ -222,34 +222,56 @@ def _block_factors(run: Run, names, measured, base, block_kl: Mapping[int, float
 
 def _candidates(names, units, unit_options, measured, sizes, budget) -> dict[str, dict[str, Setting]]:
     """The allocations to compare, by name, identical ones once (the first name kept): the
-    knapsack under each weighting, alone and scaled by each layer's block factor (``+blocks``),
-    then the heuristics."""
+    knapsack under each weighting, alone and scaled by each layer's block factor (``+blocks``);
+    each heuristic with the budget it leaves spent by the knapsack (geometric weighting, with the
+    block factors), no layer below the heuristic's setting (``+fill``); the heuristics."""
     errors, energy, factors = measured
+
+    def cost(kind: str, scaled: bool):
+        factor = factors[kind] if scaled else dict.fromkeys(names, 1.0)
+        return lambda m, o: _weighted(kind, errors[m][o], energy[m]) * factor[m]
+
     out: dict[str, dict[str, Setting]] = {}
     for scaled in (True, False) if factors else (False,):
         for kind in WEIGHTINGS:
-            factor = factors[kind] if scaled else dict.fromkeys(names, 1.0)
-            table = [
-                [
-                    (
-                        sum(sizes[(m, o)] for m in u),
-                        sum(_weighted(kind, errors[m][o], energy[m]) * factor[m] for m in u),
-                    )
-                    for o in unit_options[u[0]]
-                ]
-                for u in units
-            ]
-            choice = knapsack.solve(table, budget)
-            if choice is not None:
-                key = f"knapsack-{kind}" + ("+blocks" if scaled else "")
-                _add(out, key, {m: unit_options[u[0]][j] for u, j in zip(units, choice) for m in u})
+            allocation = _knapsack(units, [unit_options[u[0]] for u in units], sizes, cost(kind, scaled), budget)
+            if allocation is not None:
+                _add(out, f"knapsack-{kind}" + ("+blocks" if scaled else ""), allocation)
+    fixed = {}
     for key, bits in heuristics(names).items():
         for group in (32, 64, 128, -1):  # the finest that fits: the most accurate at this size
             allocation = _with_group(units, unit_options, bits, group)
             if allocation is not None and sum(sizes[(n, o)] for n, o in allocation.items()) <= budget:
-                _add(out, f"{key}-g{group}", allocation)
+                fixed[f"{key}-g{group}"] = allocation
                 break
+    for key, allocation in fixed.items():  # each heuristic, its unused budget spent by the knapsack
+        kept = [[o for o in unit_options[u[0]] if _dominates(o, allocation[u[0]])] for u in units]
+        filled = _knapsack(units, kept, sizes, cost("geometric", bool(factors)), budget)
+        if filled is not None:
+            _add(out, f"{key}+fill", filled)
+    for key, allocation in fixed.items():
+        _add(out, key, allocation)
     return out
+
+
+def _knapsack(units, options, sizes, cost, budget) -> dict[str, Setting] | None:
+    """The least-cost choice of one of ``options[k]`` per unit within ``budget`` (None: none fits);
+    ``cost(layer, setting)``."""
+    table = [
+        [(sum(sizes[(m, o)] for m in u), sum(cost(m, o) for m in u)) for o in opts] for u, opts in zip(units, options)
+    ]
+    choice = knapsack.solve(table, budget)
+    if choice is None:
+        return None
+    return {m: opts[j] for u, opts, j in zip(units, options, choice) for m in u}
+
+
+_ORDER = {g: k for k, g in enumerate((32, 64, 128, -1))}  # finest group first
+
+
+def _dominates(option: Setting, floor: Setting) -> bool:
+    """At least ``floor``'s bits and a group at least as fine: never less accurate storage."""
+    return option[0] >= floor[0] and _ORDER[option[1]] <= _ORDER[floor[1]]
 
 
 def _add(out: dict[str, dict[str, Setting]], key: str, allocation: dict[str, Setting]) -> None:

@@ -3,7 +3,9 @@
 :func:`measure`: each block on the sensitivity windows, every target's H = 2XᵀX/n collected by
 hooks (one per shared input), then for every candidate setting the objective ½ tr(Δ H Δᵀ) of
 the layer quantized at that setting, and the layer's ½ tr(W H Wᵀ); the block's float outputs
-feed the next block.
+feed the next block. With :class:`Gains`, each block's cost at the output as well: the block at
+its base settings on the float input starts a stream of its own, carried through the later
+blocks in float, scored by KL at the head.
 
 :func:`divergence`: the held-out windows carried through the model once per candidate
 allocation (and once in float): each block runs with the candidate's quantized weights on that
