@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument(
         "--quantize",
         default="uniform-3-g64,first-last-4-g64,attention-4-mlp-3-g128,down-4-g128",
-        help="candidates to quantize too (comma-separated; names as the run's report gives them)",
+        help="candidates to quantize too (comma-separated; names as the run's report gives them; "
+        "'heuristics': every fixed heuristic the run checked within 0.5 bits per weight of the budget)",
     )
     ap.add_argument("--rtn", action="store_true", help="also measure every candidate as a round-to-nearest model")
     ap.add_argument("--reuse", action="store_true", help="reuse the heuristics' rows of the last result (see above)")
@@ -115,7 +116,11 @@ def main() -> None:
     calibration, evaluation = f"{args.nsamples} x {args.seqlen} enwiki", f"{args.windows} x 512 per corpus"
     setup = (method, calibration, evaluation)
     old = _reusable(out_path(args.model, args.target_bits), setup, evals) if args.reuse else {}
-    for key in [k.strip() for k in args.quantize.split(",") if k.strip() and k.strip() != a["chosen"]]:
+    names = [k.strip() for k in args.quantize.split(",") if k.strip()]
+    if "heuristics" in names:
+        fixed = [k for k in seen if not k.startswith("knapsack") and not k.endswith("+fill")]
+        names = [k for k in fixed if a["candidates"][k]["bits_per_weight"] >= args.target_bits - 0.5]
+    for key in [k for k in names if k != a["chosen"]]:
         if key in old and not key.startswith("knapsack"):
             rows[key] = {**a["candidates"][key], **old[key], "reused": True}
             print(f"  {key}: reused {rows[key]['quantized']}", flush=True)

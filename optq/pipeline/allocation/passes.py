@@ -58,6 +58,8 @@ def _quantized(
 ) -> dict[Setting, torch.Tensor]:
     """``w`` (float32) quantized at each of ``settings`` by ``solve`` (see the module's doc);
     GPTQ falls back to round-to-nearest for a layer no token reached (``H`` None)."""
+    if solve not in SOLVES:
+        raise ValueError(f"solve must be one of {', '.join(SOLVES)}, got {solve!r}")
     if solve == "rtn" or H is None:
         return {s: rtn_weight(w, config, s) for s in settings}
     factors = solver.factored(w, H, config)
