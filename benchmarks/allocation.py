@@ -121,7 +121,7 @@ def main() -> None:
         fixed = [k for k in seen if not k.startswith("knapsack") and not k.endswith("+fill")]
         names = [k for k in fixed if a["candidates"][k]["bits_per_weight"] >= args.target_bits - 0.5]
     for key in [k for k in names if k != a["chosen"]]:
-        if key in old and not key.startswith("knapsack"):
+        if key in old and not key.startswith("knapsack") and not key.endswith("+fill"):  # measured ones differ
             rows[key] = {**a["candidates"][key], **old[key], "reused": True}
             print(f"  {key}: reused {rows[key]['quantized']}", flush=True)
             continue
