@@ -25,8 +25,9 @@ source and leave its weights as they were.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -54,20 +55,49 @@ def rtn_weight(w: torch.Tensor, config: QuantConfig, setting: Setting) -> torch.
 
 
 def _quantized(
-    w: torch.Tensor, H: torch.Tensor | None, config: QuantConfig, settings: Sequence[Setting], solve: str
-) -> dict[Setting, torch.Tensor]:
-    """``w`` (float32) quantized at each of ``settings`` by ``solve`` (see the module's doc);
-    GPTQ falls back to round-to-nearest for a layer no token reached (``H`` None)."""
+    ws: Sequence[torch.Tensor], hess: Hessian | None, config: QuantConfig, settings: Sequence[Setting], solve: str
+) -> Iterator[tuple[Setting, list[torch.Tensor]]]:
+    """The weights ``ws`` (layers sharing ``hess`` and ``config``) quantized by ``solve`` (see the
+    module's doc) at each of ``settings`` in turn: (setting, their float32 weights). Stacked, as
+    the run's groups are solved: GPTQ treats rows independently, so one factorisation serves
+    every member and setting. GPTQ falls back to rounding where no token reached them."""
     if solve not in SOLVES:
         raise ValueError(f"solve must be one of {', '.join(SOLVES)}, got {solve!r}")
-    if solve == "rtn" or H is None:
-        return {s: rtn_weight(w, config, s) for s in settings}
-    factors = solver.factored(w, H, config)
-    out = {}
+    W = torch.cat([w.float() for w in ws])
+    rows = [w.shape[0] for w in ws]
+    H = _matrix(hess)
+    factors = solver.factored(W, H, config) if solve == "gptq" and H is not None else None
     for s in settings:
-        cfg = dataclasses.replace(config, bits=s[0], group_size=s[1])
-        out[s] = solver.sweep(w, factors, cfg, torch.float32).weight
-    return out
+        if factors is None:
+            q = rtn_weight(W, config, s)
+        else:
+            q = solver.sweep(W, factors, dataclasses.replace(config, bits=s[0], group_size=s[1]), torch.float32).weight
+        yield s, list(q.split(rows))
+
+
+def _matrix(hess: Hessian | None) -> torch.Tensor | None:
+    """H in float32, or None for a layer no token reached (or none collected)."""
+    return hess.matrix().float() if hess is not None and hess.count else None
+
+
+def _shared(run: Run, linears: Mapping[str, nn.Module], hessians: Mapping[str, Hessian]) -> list[list[str]]:
+    """The targets grouped by the Hessian (one per shared input) and config they share."""
+    groups: dict[tuple, list[str]] = {}
+    for n in linears:
+        hess = hessians.get(n)
+        groups.setdefault((n if hess is None else id(hess), run.config_of(n)), []).append(n)
+    return list(groups.values())
+
+
+@contextlib.contextmanager
+def _swapped(linears: Mapping[str, nn.Module]):
+    """Yield a setter ``put(name, weight)`` for ``linears``' weights; restore them all on exit."""
+    original = {n: get_weight(m).clone() for n, m in linears.items()}
+    try:
+        yield lambda n, w: set_weight(linears[n], w.to(original[n].dtype))
+    finally:
+        for n, m in linears.items():
+            set_weight(m, original[n])
 
 
 @dataclasses.dataclass
@@ -144,15 +174,19 @@ def measure(
                 linears = _targets(run, i, block)
                 hessians, outs = _hessians(run, linears, block, streams, i)
                 base = {}
-                for name, mod in linears.items():
-                    w = get_weight(mod).float()
-                    hess = hessians.get(name)
-                    H = hess.matrix().float() if hess is not None and hess.count else None
-                    energy[name] = _half_trace(w, H)
-                    quantized = _quantized(w, H, run.config_of(name), options[name], solve)
-                    errors[name] = {s: _half_trace(q - w, H) for s, q in quantized.items()}
-                    if gains is not None:
-                        base[name] = quantized[gains.base[name]].to(get_weight(mod).dtype)
+                for members in _shared(run, linears, hessians):
+                    hess = hessians.get(members[0])
+                    H = _matrix(hess)
+                    ws = [get_weight(linears[n]).float() for n in members]
+                    for n, w in zip(members, ws):
+                        energy[n], errors[n] = _half_trace(w, H), {}
+                    settings = sorted({o for n in members for o in options[n]})
+                    for s, qs in _quantized(ws, hess, run.config_of(members[0]), settings, solve):
+                        for n, w, q in zip(members, ws, qs):
+                            if s in options[n]:
+                                errors[n][s] = _half_trace(q - w, H)
+                            if gains is not None and gains.base[n] == s:
+                                base[n] = q
                 if gains is not None:
                     fp = _alone(block, linears, base, (fp, gains.streams.calls[i]), alone, i)
             finally:
@@ -169,14 +203,10 @@ def _alone(block, linears, base, inputs, alone: dict[int, list[torch.Tensor]], i
     for j, hidden in alone.items():
         alone[j] = [run_block(block, h, c) for h, c in zip(hidden, calls)]
     out = [run_block(block, h, c) for h, c in zip(fp, calls)]
-    original = {n: get_weight(m).clone() for n, m in linears.items()}
-    try:
-        for n, m in linears.items():
-            set_weight(m, base[n])
+    with _swapped(linears) as put:
+        for n in linears:
+            put(n, base[n])
         alone[i] = [run_block(block, h, c) for h, c in zip(fp, calls)]
-    finally:
-        for n, m in linears.items():
-            set_weight(m, original[n])
     return out
 
 
@@ -218,17 +248,15 @@ def divergence(
         for i, block in enumerate(run.blocks):
             source.load(i, block)
             linears = _targets(run, i, block)
-            original = {n: get_weight(m).clone() for n, m in linears.items()}
             try:
                 quantized = _block_candidates(run, (i, block), linears, allocations, fit)
                 fp = [run_block(block, h, c) for h, c in zip(fp, streams.calls[i])]
-                for key, allocation in allocations.items():
-                    for n, m in linears.items():
-                        set_weight(m, quantized[(n, allocation[n])].to(original[n].dtype))
-                    cand[key] = [run_block(block, h, c) for h, c in zip(cand[key], streams.calls[i])]
+                with _swapped(linears) as put:
+                    for key, allocation in allocations.items():
+                        for n in linears:
+                            put(n, quantized[(n, allocation[n])])
+                        cand[key] = [run_block(block, h, c) for h, c in zip(cand[key], streams.calls[i])]
             finally:
-                for n, m in linears.items():
-                    set_weight(m, original[n])
                 source.release(i, block)
         return _mean_kl(fp, cand, logits)
 
@@ -240,11 +268,10 @@ def _block_candidates(run: Run, where, linears, allocations, fit: Streams | None
     if fit is not None:
         hessians, fit.hidden = _hessians(run, linears, block, fit, i)
     out: dict[tuple[str, Setting], torch.Tensor] = {}
-    for n, m in linears.items():
-        settings = sorted({a[n] for a in allocations.values()})
-        hess = hessians.get(n)
-        H = hess.matrix().float() if hess is not None and hess.count else None
-        solve = "gptq" if fit is not None else "rtn"
-        for s, q in _quantized(get_weight(m).float(), H, run.config_of(n), settings, solve).items():
-            out[(n, s)] = q
+    solve = "gptq" if fit is not None else "rtn"
+    for members in _shared(run, linears, hessians):
+        settings = sorted({a[n] for a in allocations.values() for n in members})
+        ws = [get_weight(linears[n]) for n in members]
+        for s, qs in _quantized(ws, hessians.get(members[0]), run.config_of(members[0]), settings, solve):
+            out.update({(n, s): q for n, q in zip(members, qs)})
     return out
