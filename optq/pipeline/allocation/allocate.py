@@ -46,7 +46,7 @@ from torch import nn
 
 from optq.formats.linears import get_weight
 from optq.pipeline.allocation import knapsack
-from optq.pipeline.allocation.options import Setting, heuristics, layer_settings, stored_bits, units_of
+from optq.pipeline.allocation.options import GROUPS, Setting, heuristics, layer_settings, stored_bits, units_of
 from optq.pipeline.allocation.passes import Gains, Streams, divergence, measure
 from optq.pipeline.blocks.capture import Call
 from optq.pipeline.blocks.prepare import Run
@@ -144,8 +144,9 @@ def plan(
     if held_bytes > s.hessian_budget:  # one stream per block: skipped rather than grow with depth
         gains = None
     errors, energy, block_kl = measure(run, source, _streams(hidden, calls, ids, fit), options, solve, gains)
-    factors = {kind: _block_factors(run, names, (kind, errors, energy), base, block_kl) for kind in WEIGHTINGS}
-    factors = factors if block_kl else {}
+    factors = {}  # per weighting; none without block gains
+    if block_kl:
+        factors = {k: _block_factors(run, names, (k, errors, energy), base, block_kl) for k in WEIGHTINGS}
     candidates = _candidates(names, units, unit_options, (errors, energy, factors), sizes, budget)
     refused = {}
     for key, allocation in list(candidates.items()):
@@ -239,7 +240,7 @@ def _candidates(names, units, unit_options, measured, sizes, budget) -> dict[str
                 _add(out, f"knapsack-{kind}" + ("+blocks" if scaled else ""), allocation)
     fixed = {}
     for key, bits in heuristics(names).items():
-        for group in (32, 64, 128, -1):  # the finest that fits: the most accurate at this size
+        for group in GROUPS:  # the finest that fits: the most accurate at this size
             allocation = _with_group(units, unit_options, bits, group)
             if allocation is not None and sum(sizes[(n, o)] for n, o in allocation.items()) <= budget:
                 fixed[f"{key}-g{group}"] = allocation
@@ -266,7 +267,7 @@ def _knapsack(units, options, sizes, cost, budget) -> dict[str, Setting] | None:
     return {m: opts[j] for u, opts, j in zip(units, options, choice) for m in u}
 
 
-_ORDER = {g: k for k, g in enumerate((32, 64, 128, -1))}  # finest group first
+_ORDER = {g: k for k, g in enumerate(GROUPS)}  # finest group first
 
 
 def _dominates(option: Setting, floor: Setting) -> bool:
@@ -281,11 +282,10 @@ def _add(out: dict[str, dict[str, Setting]], key: str, allocation: dict[str, Set
 
 def _with_group(units, unit_options, bits: Mapping[str, int], group: int) -> dict[str, Setting] | None:
     """Each unit at its bits and ``group``, else the next coarser group it takes (None: none)."""
-    order = (32, 64, 128, -1)
     out = {}
     for u in units:
         b = bits[u[0]]
-        found = next((g for g in order[order.index(group) :] if (b, g) in unit_options[u[0]]), None)
+        found = next((g for g in GROUPS[GROUPS.index(group) :] if (b, g) in unit_options[u[0]]), None)
         if found is None:
             return None
         out.update({m: (b, found) for m in u})
