@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lab_report_allocation import allocation_section
 from lab_report_calibration import claim5, claim6, claim7
 from lab_report_defaults import defaults_section
 from lab_tables import CORPORA, by_bits, md_table, ppl_row, pyplot, save_svg
@@ -274,7 +275,9 @@ Machine: {m.get("platform", "?")}, {m.get("threads", "?")} threads, torch {m.get
             parts.append(fn(data[f"claim{k}"], docs / "lab", **extra))
         else:
             parts.append(f"## {k}. (not run yet: `python benchmarks/lab.py --claims {k}`)\n")
-    parts.append(defaults_section(Path(__file__).resolve().parent / "results", docs))
+    results = Path(__file__).resolve().parent / "results"
+    parts.append(defaults_section(results, docs))
+    parts.append(allocation_section(results))
     path = docs / "lab.md"
     path.write_text("\n".join(parts))
     return path
