@@ -172,6 +172,9 @@ def main() -> None:
         ref_hold = torch.log_softmax(model(holdout).logits.float(), -1)
     stitched = Stitched(model, linears, variants, units)
     start = [tuple(chosen[unit[0]]) for unit in units]
+    outside = [u[0] for u, s, c in zip(units, start, choices) if s not in c]
+    if outside:
+        raise SystemExit(f"the start allocation has settings outside --bits {args.bits}: {', '.join(outside[:5])}")
     parent, parent_kl = start, stitched.kl(start, ref_search, search)
     history = [parent_kl]
     for g in range(args.generations):
