@@ -1,7 +1,8 @@
 """docs/lab.md's section 9: ``--target-bits`` against the fixed heuristics (issue 19).
 
 Read from ``benchmarks/allocation.py``'s results (``allocation.json``, the 3.5-bit run, and
-``allocation-<model>-<bits>.json``) and, where it was run, ``benchmarks/allocation_search.py``'s.
+``allocation-<model>-<bits>.json``) and, where they were run, ``benchmarks/allocation_search.py``'s
+and ``benchmarks/autoscheme.py``'s (auto-round's allocation quantized by optq).
 The verdicts are computed from the numbers: does the chosen allocation's perplexity increase
 over fp stay below every fixed heuristic's on each text, and what share of uniform 3-bit's
 increase is it (the issue asks for at most half at 3.5 bits).
@@ -69,7 +70,12 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
     return {"beats": beats, "share_of_uniform3": share, "rivals": sorted(rivals)}
 
 
-def _table(result: dict[str, Any]) -> str:
+def _peer_row(peer: dict[str, Any], fp: dict[str, float], texts: list[str]) -> str:
+    cells = " | ".join(f"{peer['quantized'][t]:.2f} (+{peer['quantized'][t] - fp[t]:.2f})" for t in texts)
+    return f"| auto-round AutoScheme's allocation, quantized by optq | {peer['bits_per_weight']:.3f} | - | {cells} |"
+
+
+def _table(result: dict[str, Any], peer: dict[str, Any] | None = None) -> str:
     rows, fp = result["rows"], result["rows"]["float"]
     texts = list(rows[result["chosen"]]["quantized"])
     head = "| candidate | bits/weight | KL (check) | " + " | ".join(texts) + " |\n"
@@ -85,6 +91,8 @@ def _table(result: dict[str, Any]) -> str:
         name = describe(key) + (" (chosen)" if key == result["chosen"] else "")
         cells = " | ".join(f"{r['quantized'][t]:.2f} (+{r['quantized'][t] - fp[t]:.2f})" for t in texts)
         lines.append(f"| {name} | {r['bits_per_weight']:.3f} | {r['kl']:.3f} | {cells} |")
+    if peer is not None:
+        lines.append(_peer_row(peer, fp, texts))
     return head + "\n".join(lines) + "\n"
 
 
@@ -123,13 +131,15 @@ def allocation_section(results: Path) -> str:
     ]
     if not found:
         return "\n".join(parts + ["(not run yet)\n"])
+    peers = json.loads((results / "autoscheme.json").read_text()) if (results / "autoscheme.json").exists() else {}
     for result in sorted(found, key=lambda r: r["target_bits"]):
         v = verdict(result)
+        peer = peers.get(f"{result['model']}-{result['target_bits']:g}")
         parts.append(
             f"### {result['model']} at {result['target_bits']} bits ({result['method']}, "
             f"{result['calibration']} calibration, {result['eval']})\n"
         )
-        parts.append(_table(result))
+        parts.append(_table(result, peer))
         wins = [t for t, ok in v["beats"].items() if ok]
         losses = [t for t, ok in v["beats"].items() if not ok]
         line = f"Below every fixed heuristic measured ({len(v['rivals'])}) on: {', '.join(wins) or 'no text'}"
@@ -137,6 +147,14 @@ def allocation_section(results: Path) -> str:
         if v["share_of_uniform3"]:
             share = ", ".join(f"{t} {x:.2f}" for t, x in v["share_of_uniform3"].items())
             line += f" Share of uniform 3-bit's increase: {share}."
+        if peer is not None:
+            chosen = result["rows"][result["chosen"]]["quantized"]
+            lower = [t for t in chosen if t in peer["quantized"] and chosen[t] < peer["quantized"][t]]
+            line += (
+                f" Against AutoScheme's allocation ({peer['autoscheme_nsamples']} x 512 tokens, "
+                f"{peer['autoscheme_seconds']:.0f} s), quantized the same way: "
+                f"lower on {', '.join(lower) or 'no text'}."
+            )
         parts.append(line + "\n")
     parts.append(_search(results / "allocation_search.json"))
     three_five = next((r for r in found if r["target_bits"] == 3.5), None)

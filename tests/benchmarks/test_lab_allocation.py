@@ -97,3 +97,19 @@ def test_section_reports_the_search_when_run(tmp_path):
     (tmp_path / "allocation_search.json").write_text(json.dumps(search))
     text = alloc.allocation_section(tmp_path)
     assert "Held-out KL 0.700 -> 0.630" in text and "(lower on code)" in text
+
+
+def test_section_sets_autoscheme_beside_the_same_budget(tmp_path):
+    (tmp_path / "allocation.json").write_text(json.dumps(_result({"enwiki": 9.0, "code": 5.0})))
+    (tmp_path / "allocation-m-4.25.json").write_text(json.dumps(_result({"enwiki": 1.0, "code": 1.0}, bits=4.25)))
+    peer = {
+        "bits_per_weight": 3.49,
+        "quantized": {"enwiki": 20.0, "code": 14.0},
+        "autoscheme_nsamples": 16,
+        "autoscheme_seconds": 600.0,
+    }
+    (tmp_path / "autoscheme.json").write_text(json.dumps({"m-3.5": peer}))
+    text = alloc.allocation_section(tmp_path)
+    row = "| auto-round AutoScheme's allocation, quantized by optq | 3.490 | - | 20.00 (+10.00) | 14.00 (+4.00) |"
+    assert text.count(row) == 1 and text.index(row) < text.index("### m at 4.25 bits")  # only at its budget
+    assert "quantized the same way: lower on enwiki." in text  # 19 < 20 on enwiki, 15 > 14 on code
