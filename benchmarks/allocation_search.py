@@ -5,11 +5,12 @@ Research, not the library: ``optq quantize --target-bits`` picks among a few can
 much larger search under the same proxy would find a better allocation, and whether what the
 proxy gains survives the run's own quantization (GPTAQ, sequential):
 
-1. H = 2XᵀX/n of every linear from ``--nsamples`` windows of enwiki calibration through the
-   float model; every linear quantized by GPTQ on it at every (bits, group) setting the engines
-   take (bits ``--bits``), all held in memory (a few GB for a 135M model: memory grows with the
-   model, which is why this is a script). A model stitched from these variants is the proxy's
-   model: each layer quantized on float inputs, as the KL check assumes.
+1. H = 2XᵀX/n (plain: tokens not normalised) of every linear from ``--nsamples`` windows of
+   enwiki calibration through the float model; every linear quantized by GPTQ on it at every
+   (bits, group) setting the engines take (bits ``--bits``), all held in memory (a few GB for a
+   135M model: memory grows with the model, which is why this is a script). A model stitched
+   from these variants is the proxy's model: each layer quantized on float inputs, as the KL
+   check assumes (whose H is token-normalised, the run's default: the search's is not).
 2. From the allocation that ``benchmarks/allocation.py`` chose (``--start``), a (1 + λ)
    evolution: each child moves one to three random units (layers that must share a setting) one
    setting up and then random units down until it fits the budget; the children are ranked by KL
@@ -43,6 +44,7 @@ import torch
 import optq
 from optq.core import solver
 from optq.core.config import QuantConfig
+from optq.core.hessian import Hessian
 from optq.data import zoo
 from optq.data.tokens import load_text, tokenize
 from optq.eval.perplexity import perplexity
@@ -58,17 +60,10 @@ def log(*parts) -> None:
 
 
 def hessians(model, linears: dict, windows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """2XᵀX/n of every linear's input over ``windows``, from the float model."""
-    sums: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def add(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[name] = sums[name] + 2 * x.T @ x if name in sums else 2 * x.T @ x
-
-        return add
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    """2XᵀX/n of every linear's input over ``windows``, from the float model (the paper's plain H:
+    tokens not normalised, unlike the run's default)."""
+    acc = {n: Hessian(m.in_features, normalize_tokens=False) for n, m in linears.items()}
+    handles = [m.register_forward_pre_hook(lambda _m, args, h=acc[n]: h.update(args[0])) for n, m in linears.items()]
     try:
         with torch.inference_mode():
             for i in range(0, len(windows), 4):
@@ -76,7 +71,7 @@ def hessians(model, linears: dict, windows: torch.Tensor) -> dict[str, torch.Ten
     finally:
         for h in handles:
             h.remove()
-    return {n: s / windows.numel() for n, s in sums.items()}
+    return {n: h.matrix() for n, h in acc.items()}
 
 
 class Stitched:
