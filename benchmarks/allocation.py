@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from lab_report_allocation import heuristic  # one rule for what a fixed heuristic's row is
 
 import optq
 from optq.core import solver
@@ -118,10 +119,9 @@ def main() -> None:
     old = _reusable(out_path(args.model, args.target_bits), setup, evals) if args.reuse else {}
     names = [k.strip() for k in args.quantize.split(",") if k.strip()]
     if "heuristics" in names:
-        fixed = [k for k in seen if not k.startswith("knapsack") and not k.endswith("+fill")]
-        names = [k for k in fixed if a["candidates"][k]["bits_per_weight"] >= args.target_bits - 0.5]
+        names = [k for k in seen if heuristic(k) and a["candidates"][k]["bits_per_weight"] >= args.target_bits - 0.5]
     for key in [k for k in names if k != a["chosen"]]:
-        if key in old and not key.startswith("knapsack") and not key.endswith("+fill"):  # measured ones differ
+        if key in old and heuristic(key):  # knapsacks and filled heuristics depend on the measurements
             rows[key] = {**a["candidates"][key], **old[key], "reused": True}
             print(f"  {key}: reused {rows[key]['quantized']}", flush=True)
             continue
