@@ -12,6 +12,11 @@ runs in its own child process (so its RSS is that variant's alone), the variants
   compiled (``optq generate --compile``: torch.compile, a static KV cache), after a warm-up of
   the same shapes (its time: ``warmup_s``), whose freed memory is then handed back to the system
   as ``optq generate --compile`` does
+- unless ``--no-aot``: each variant of fp32 and optq again decoding with the step compiled ahead
+  of time (``optq generate --aot``: AOTInductor, a static KV cache; the package is built by a
+  child process once and cached: ``aot_ready_s``, the slowest round's, is that build), after a
+  warm-up of the same shapes; the package loader is imported before the baseline, the loaded
+  package's code and buffers are counted
 - RSS: the process's resident memory after the run minus before loading (the loaded model,
   its kernels' caches, the run's activations and what the allocator kept of them; the model
   alone: ``optq.load`` or ``from_pretrained``, no tokenizer); tensors: the model's parameters
@@ -67,6 +72,8 @@ import optq
 MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(spec["folder"]))]
 if spec.get("compile"):  # the compiler is a library too (112 MB resident once imported)
     import torch._dynamo, torch._inductor.compile_fx  # noqa: F401
+if spec.get("aot"):  # the package loader is a library; the package's code and what it holds are counted
+    import torch._inductor.package, optq.eval.aot  # noqa: F401
 base = rss_mb()
 t0 = time.perf_counter()
 extra = 0
@@ -88,6 +95,14 @@ ids = torch.randint(0, model.config.vocab_size, (1, spec["prompt"]))
 opts = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 n = spec["decode"]
 t0 = time.perf_counter()
+decoder = None
+if spec.get("aot"):  # the package is built by a child process when not cached (its time: warmup_s)
+    from optq.eval.aot import AotDecoder, cache_length
+    storage = spec["embeddings"] or ("model" if spec["kind"] == "hf" else "bfloat16")  # as the model was loaded
+    load = {"dtype": spec.get("dtype") or "float32", "embeddings": storage}
+    decoder = AotDecoder.for_model(model, spec["folder"], cache_length(spec["prompt"] + n), load=load)
+    opts.update(decoder.options())
+aot_ready_s = time.perf_counter() - t0
 with torch.inference_mode():
     if spec.get("compile"):  # the decoding step compiled; the warm-up has the run's shapes: one compilation
         from optq.eval.speed import compiled_decoding
@@ -95,11 +110,17 @@ with torch.inference_mode():
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, **opts)
         from optq.core.memory import release_host_memory
         release_host_memory()  # as optq generate --compile does after its warm-up
+    elif decoder is not None:  # the run's shapes, as for compiled variants
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **opts)
     else:
         model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **opts)
     warmup_s = time.perf_counter() - t0
     clock = TokenClock()
+    if decoder is not None:
+        opts.update(decoder.options())  # its cache emptied
     model.generate(ids, max_new_tokens=spec["decode"], min_new_tokens=spec["decode"], streamer=clock, **opts)
+    if decoder is not None:
+        assert decoder.steps >= 2 * (n - 1), decoder.steps  # the warm-up's steps and the run's were compiled
 tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
 print(json.dumps({
     "load_s": load_s,
@@ -109,6 +130,8 @@ print(json.dumps({
     "rss_load_mb": rss_load,
     "rss_mb": rss_mb() - base,
     "tensors_mb": (sum(t.numel() * t.element_size() for t in tensors.values()) + extra) / 1e6,
+    "aot_steps": decoder.steps if decoder is not None else 0,
+    "aot_ready_s": aot_ready_s if decoder is not None else 0.0,
     "kinds": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
 }))
 """
@@ -167,6 +190,7 @@ def main() -> int:
     ap.add_argument("--quality-texts", default=TEXTS, help=f"corpora for it (default {TEXTS})")
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip transformers + GPTQModel")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
+    ap.add_argument("--no-aot", dest="aot", action="store_false", help="skip the ahead-of-time compiled variants")
     ap.add_argument(
         "--no-storage",
         dest="storage",
@@ -192,6 +216,9 @@ def main() -> int:
     if args.compile:  # the same, with the decoding step compiled (optq generate --compile)
         compiled = [v for v in variants if v["kind"] in ("hf", "optq")]
         variants += [{**v, "name": f"{v['name']}, compiled", "compile": True} for v in compiled]
+    if args.aot:  # the same, decoding with the step compiled ahead of time (optq generate --aot)
+        plain = [v for v in variants if v["kind"] in ("hf", "optq") and not v.get("compile")]
+        variants += [{**v, "name": f"{v['name']}, aot", "aot": True} for v in plain]
     if 4 in bits and args.storage:  # the embedding storage optq.load does not choose by default (bfloat16)
         for kind in ("model", "int8"):
             name = f"optq 4-bit, {'fp32' if kind == 'model' else kind} embed"
@@ -217,6 +244,7 @@ def main() -> int:
                 b[k] = max(b[k], res[k])
             for k in ("rss_mb", "rss_load_mb", "load_s", "warmup_s", "tensors_mb"):
                 b[k] = min(b[k], res[k])
+            b["aot_ready_s"] = max(b["aot_ready_s"], res["aot_ready_s"])  # the round that built the package
     quality = {}
     if args.quality_windows and 4 in bits and args.storage:
         proc = subprocess.run(

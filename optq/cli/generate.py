@@ -50,6 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compile the decoding step with torch.compile and a static KV cache: faster tokens after a "
         "warm-up of tens of seconds, done (and timed) before the printed text",
     )
+    p.add_argument(
+        "--aot",
+        action="store_true",
+        help="decode with the step compiled ahead of time (AOTInductor) by a child process, cached under "
+        "$OPTQ_CACHE/aot (tens of seconds the first time): compiled speed without the compiler's memory",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=run)
 
@@ -66,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be at least 1")
+    if args.aot and args.compile:
+        raise CliError("--aot and --compile are two ways to compile the decoding step: choose one")
+    if args.aot and args.reference:
+        raise CliError("--aot compiles the fast path; --reference runs the exact one: choose one")
     if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
         raise CliError("--temperature must be > 0 and --top-p in (0, 1]")
     if args.threads is not None:
@@ -93,6 +103,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     warmup = ""
+    if args.aot:
+        from optq.eval.aot import AotDecoder, cache_length
+
+        started = time.perf_counter()
+        load = {"dtype": args.dtype, "embeddings": args.embeddings}
+        try:
+            length = cache_length(ids.shape[1] + args.max_new_tokens)
+            decoder = AotDecoder.for_model(model, args.model, length, load=load)
+        except (ValueError, RuntimeError) as exc:
+            raise CliError(str(exc)) from exc
+        options.update(decoder.options())
+        warmup = f"; ahead-of-time step ready in {time.perf_counter() - started:.1f} s"
     with torch.inference_mode():
         if args.compile:
             options.update(compiled_decoding())
@@ -115,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     storage = args.embeddings or ("bfloat16" if quantized else "model")
     print(f"\n{what}; {args.dtype}, embeddings: {storage}; load {load_s:.1f} s{warmup}", file=sys.stderr)
     print(clock.summary(ids.shape[1]), file=sys.stderr)
+    if args.aot:
+        print(f"decoding steps run ahead-of-time compiled: {decoder.steps}", file=sys.stderr)
     grown, peak = rss_mb() - base, peak_rss_mb()
     print(f"memory: {grown:.0f} MB resident for the model and its run, peak RSS {peak:.0f} MB", file=sys.stderr)
     return 0
