@@ -296,9 +296,12 @@ class AotDecoder:
         if missing:
             with zipfile.ZipFile(package) as archive:
                 root, config = _weights_config(archive)
+                files = set(archive.namelist())
                 for name in missing:
-                    data = archive.read(f"{root}/data/weights/{_weight_file(config[name])}")
-                    out[name] = torch.load(io.BytesIO(data), weights_only=True)
+                    file = f"{root}/data/weights/{_weight_file(config[name])}" if name in config else None
+                    if file not in files:
+                        raise ValueError(f"{package} has no value for its constant {name}; build it again")
+                    out[name] = torch.load(io.BytesIO(archive.read(file)), weights_only=True)
         return out
 
     def options(self) -> dict[str, Any]:
@@ -344,9 +347,9 @@ class AotDecoder:
         """The decoder for ``model``, loaded as ``optq.data.zoo.load_model(source, **load)`` loads
         it (``dtype`` as a name, ``embeddings``; its QuantLinears on the fast path, with their
         layouts built), its package built first by a child process when none is cached (tens of
-        seconds; the child's output goes to stderr). ValueError for a model whose cache is not
-        full attention throughout (sliding windows), with a QuantLinear on the exact path, or
-        that the package does not match; RuntimeError when the child fails."""
+        seconds; the child's output is shown only when it fails). ValueError for a model whose
+        cache is not full attention throughout (sliding windows), with a QuantLinear on the exact
+        path, or that the package does not match; RuntimeError when the child fails."""
         from optq.formats.qlinear import QuantLinear
 
         _static_cache(model, 1)  # refuses unsupported caches here, not in the child
@@ -355,9 +358,11 @@ class AotDecoder:
         path = package_path(model, max_cache_len, cache_dir)
         if not Path(f"{path}.json").exists():
             spec = {"source": str(source), "load": dict(load or {}), "max_cache_len": max_cache_len, "out": str(path)}
-            proc = subprocess.run([sys.executable, "-m", "optq.eval.aot", json.dumps(spec)], check=False)
+            cmd = [sys.executable, "-m", "optq.eval.aot", json.dumps(spec)]
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True)  # the compiler's warnings
             if proc.returncode:
-                raise RuntimeError(f"compiling the decoding step failed (exit status {proc.returncode}); see above")
+                tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+                raise RuntimeError(f"compiling the decoding step failed (exit status {proc.returncode}):\n{tail}")
         return cls(model, path)
 
 
@@ -375,5 +380,5 @@ def _build_from_spec(spec: Mapping[str, Any]) -> Path:
     return build_package(model, int(spec["max_cache_len"]), Path(spec["out"]))
 
 
-if __name__ == "__main__":  # the child of AotDecoder.for_model
-    print(f"compiled the decoding step into {_build_from_spec(json.loads(sys.argv[1]))}", file=sys.stderr)
+if __name__ == "__main__":  # the child of AotDecoder.for_model (silent: its parent reports)
+    _build_from_spec(json.loads(sys.argv[1]))

@@ -148,3 +148,13 @@ def test_the_exact_path_is_refused(checkpoint, packages):
     next(q for q in model.modules() if isinstance(q, QuantLinear)).use_fast_path = False
     with pytest.raises(ValueError, match="fast path"):
         aot.AotDecoder.for_model(model, checkpoint, LENGTH, cache_dir=packages)
+
+
+def test_a_failed_build_says_why_and_leaves_no_package(checkpoint, tmp_path):
+    model, _ = _load(checkpoint)
+    packages = tmp_path / "packages"
+    with pytest.raises(RuntimeError, match="compiling the decoding step failed") as failed:
+        aot.AotDecoder.for_model(model, tmp_path / "missing", LENGTH, cache_dir=packages)
+    assert "missing" in str(failed.value)  # the child's own error, not only its status
+    assert not packages.exists() or not list(packages.glob("*.json"))
+    assert "forward" not in model.__dict__
