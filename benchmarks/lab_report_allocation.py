@@ -132,7 +132,7 @@ def allocation_section(results: Path) -> str:
     if not found:
         return "\n".join(parts + ["(not run yet)\n"])
     peers = json.loads((results / "autoscheme.json").read_text()) if (results / "autoscheme.json").exists() else {}
-    for result in sorted(found, key=lambda r: r["target_bits"]):
+    for result in sorted(found, key=lambda r: (r["model"], r["target_bits"])):
         v = verdict(result)
         peer = peers.get(f"{result['model']}-{result['target_bits']:g}")
         parts.append(
@@ -157,13 +157,13 @@ def allocation_section(results: Path) -> str:
             )
         parts.append(line + "\n")
     parts.append(_search(results / "allocation_search.json"))
-    three_five = next((r for r in found if r["target_bits"] == 3.5), None)
-    if three_five is not None:
+    for three_five in sorted((r for r in found if r["target_bits"] == 3.5), key=lambda r: r["model"]):
         v = verdict(three_five)
         share = (v["share_of_uniform3"] or {}).get("enwiki")
         met = v["beats"].get("enwiki", False) and share is not None and share <= 0.5
         parts.append(
-            f"**Verdict: {'confirmed' if met else 'nuanced'}.** At 3.5 bits the allocation "
+            f"**Verdict on {three_five['model']}: {'confirmed' if met else 'nuanced'}.** At 3.5 bits the "
+            "allocation "
             + (
                 "beats every fixed heuristic on enwiki"
                 if v["beats"].get("enwiki")

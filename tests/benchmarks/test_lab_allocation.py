@@ -72,13 +72,22 @@ def test_section_verdict_needs_half_of_uniform_three_and_every_heuristic_beaten(
     (tmp_path / "allocation.json").write_text(json.dumps(_result(chosen)))
     (tmp_path / "allocation-m-4.25.json").write_text(json.dumps(_result({"enwiki": 1.0, "code": 1.0}, bits=4.25)))
     text = alloc.allocation_section(tmp_path)
-    assert f"**Verdict: {word}.**" in text
+    assert f"**Verdict on m: {word}.**" in text
     assert text.index("### m at 3.5 bits") < text.index("### m at 4.25 bits")
     assert (
         f"| first and last blocks at 4, rest 3, group 64, filled (chosen) | 3.500 | 0.500 | {10 + chosen['enwiki']:.2f}"
         in text
     )
     assert "was not run" in text
+
+
+def test_each_model_at_three_and_a_half_bits_has_its_verdict(tmp_path):
+    (tmp_path / "allocation.json").write_text(json.dumps(_result({"enwiki": 9.0, "code": 5.0})))
+    other = {**_result({"enwiki": 13.0, "code": 5.0}), "model": "g"}
+    (tmp_path / "allocation-g-3.5.json").write_text(json.dumps(other))
+    text = alloc.allocation_section(tmp_path)
+    assert "**Verdict on m: confirmed.**" in text and "**Verdict on g: nuanced.**" in text
+    assert text.index("### g at 3.5 bits") < text.index("### m at 3.5 bits")
 
 
 def test_section_reports_the_search_when_run(tmp_path):
