@@ -363,6 +363,14 @@ class AotDecoder:
             if proc.returncode:
                 tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
                 raise RuntimeError(f"compiling the decoding step failed (exit status {proc.returncode}):\n{tail}")
+            built = json.loads(Path(f"{path}.json").read_text())["signature"]
+            if built != signature(model, max_cache_len):  # the child's model is not this one
+                for stale in (path, Path(f"{path}.json")):
+                    stale.unlink(missing_ok=True)
+                raise ValueError(
+                    f"{source} loaded with {dict(load or {})} is not the model given (another dtype, "
+                    "embedding storage or checkpoint?): pass the options the model was loaded with"
+                )
         return cls(model, path)
 
 

@@ -158,3 +158,14 @@ def test_a_failed_build_says_why_and_leaves_no_package(checkpoint, tmp_path):
     assert "missing" in str(failed.value)  # the child's own error, not only its status
     assert not packages.exists() or not list(packages.glob("*.json"))
     assert "forward" not in model.__dict__
+
+
+def test_load_options_that_give_another_model_are_refused(checkpoint, tmp_path):
+    """The child loads the checkpoint as told; told wrong (int8 tables where the model has
+    bfloat16 ones), what it builds is not for this model: refused, and nothing left cached."""
+    model, _ = _load(checkpoint)
+    packages = tmp_path / "packages"
+    with pytest.raises(ValueError, match="pass the options the model was loaded with"):
+        aot.AotDecoder.for_model(model, checkpoint, LENGTH, load={"embeddings": "int8"}, cache_dir=packages)
+    assert not list(packages.iterdir())
+    assert "forward" not in model.__dict__
