@@ -14,8 +14,8 @@ copy) and the serving cache's, so the weights are in memory once and nothing of 
 own cache, no padding, inside the cache's length); everything else (the prompt's prefill, other
 caches) runs the model as it is. The package is keyed by a signature of everything its code
 depends on (the model's config, every tensor's name, shape, dtype and strides, the cache length,
-torch's and optq's versions), recomputed by the child and checked when loading, so a package
-never serves a model it was not built for.
+torch's and transformers' versions, a hash of optq's source), recomputed by the child and checked
+when loading, so a package never serves a model it was not built for.
 
     >>> decoder = AotDecoder.for_model(model, "smollm2-135m", max_cache_len=512)  # doctest: +SKIP
     >>> model.generate(ids, max_new_tokens=64, **decoder.options())  # doctest: +SKIP
