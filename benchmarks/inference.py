@@ -98,8 +98,8 @@ t0 = time.perf_counter()
 decoder = None
 if spec.get("aot"):  # the package is built by a child process when not cached (its time: warmup_s)
     from optq.eval.aot import AotDecoder, cache_length
-    storage = spec["embeddings"] or ("model" if spec["kind"] == "hf" else "bfloat16")  # as the model was loaded
-    load = {"dtype": spec.get("dtype") or "float32", "embeddings": storage}
+    # load_model's defaults for embeddings=None (bfloat16 for checkpoints, none for float models) are the above's
+    load = {"dtype": spec.get("dtype") or "float32", "embeddings": spec["embeddings"]}
     decoder = AotDecoder.for_model(model, spec["folder"], cache_length(spec["prompt"] + n), load=load)
     opts.update(decoder.options())
 aot_ready_s = time.perf_counter() - t0

@@ -70,8 +70,13 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
     return {"beats": beats, "share_of_uniform3": share, "rivals": sorted(rivals)}
 
 
+def _cells(quantized: dict[str, float], fp: dict[str, float], texts: list[str]) -> str:
+    """Perplexity and its increase over fp, one cell per text."""
+    return " | ".join(f"{quantized[t]:.2f} (+{quantized[t] - fp[t]:.2f})" for t in texts)
+
+
 def _peer_row(peer: dict[str, Any], fp: dict[str, float], texts: list[str]) -> str:
-    cells = " | ".join(f"{peer['quantized'][t]:.2f} (+{peer['quantized'][t] - fp[t]:.2f})" for t in texts)
+    cells = _cells(peer["quantized"], fp, texts)
     return f"| auto-round AutoScheme's allocation, quantized by optq | {peer['bits_per_weight']:.3f} | - | {cells} |"
 
 
@@ -89,7 +94,7 @@ def _table(result: dict[str, Any], peer: dict[str, Any] | None = None) -> str:
         if "quantized" not in r:
             continue
         name = describe(key) + (" (chosen)" if key == result["chosen"] else "")
-        cells = " | ".join(f"{r['quantized'][t]:.2f} (+{r['quantized'][t] - fp[t]:.2f})" for t in texts)
+        cells = _cells(r["quantized"], fp, texts)
         lines.append(f"| {name} | {r['bits_per_weight']:.3f} | {r['kl']:.3f} | {cells} |")
     if peer is not None:
         lines.append(_peer_row(peer, fp, texts))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from . import CliError
 
@@ -105,13 +104,13 @@ def run(args: argparse.Namespace) -> int:
         options.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     warmup = ""
     if args.aot:
-        from optq.eval.aot import AotDecoder, cache_length, package_path
+        from optq.eval.aot import AotDecoder, cache_length, manifest_path, package_path
 
         started = time.perf_counter()
         load = {"dtype": args.dtype, "embeddings": args.embeddings}
         try:
             length = cache_length(ids.shape[1] + args.max_new_tokens)
-            if not Path(f"{package_path(model, length)}.json").exists():
+            if not manifest_path(package_path(model, length)).exists():
                 print("compiling the decoding step ahead of time (once: cached for later runs) ...", file=sys.stderr)
             decoder = AotDecoder.for_model(model, args.model, length, load=load)
         except (ValueError, RuntimeError) as exc:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AotDecoder", "build_package", "cache_length", "model_tensors", "package_path", "signature"]
+__all__ = ["AotDecoder", "build_package", "cache_length", "manifest_path", "model_tensors", "package_path", "signature"]
 
 _FORMAT = 1  # of the package and manifest this module writes
 
@@ -106,6 +106,11 @@ def package_path(model: nn.Module, max_cache_len: int, cache_dir: Path | None = 
 
         cache_dir = default_cache() / "aot"
     return Path(cache_dir) / f"{signature(model, max_cache_len)[:24]}.pt2"
+
+
+def manifest_path(package: Path) -> Path:
+    """A package's manifest, written last: its presence marks a whole package."""
+    return Path(f"{package}.json")
 
 
 def _static_cache(model: nn.Module, max_cache_len: int) -> Any:
@@ -204,28 +209,27 @@ def build_package(model: nn.Module, max_cache_len: int, out: Path) -> Path:
         }
         Path(tmp, "manifest.json").write_text(json.dumps(manifest, indent=0) + "\n")
         os.replace(Path(tmp) / "lean.pt2", out)
-        os.replace(Path(tmp, "manifest.json"), Path(f"{out}.json"))  # last: its presence marks a whole package
+        os.replace(Path(tmp, "manifest.json"), manifest_path(out))  # last: its presence marks a whole package
     return out
 
 
-def _weights_config(archive: zipfile.ZipFile) -> tuple[str, dict[str, Any]]:
+def _weight_files(archive: zipfile.ZipFile) -> dict[str, str]:
+    """Each constant's weight file in a package (the archive's member name), by constant name."""
     name = next(n for n in archive.namelist() if n.endswith("weights_config.json"))
-    return name.split("/data/")[0], json.loads(archive.read(name))
+    root = name.split("/data/")[0]
+    entries = json.loads(archive.read(name)).items()
+    return {n: f"{root}/data/weights/{e[0] if isinstance(e, list) else e['path_name']}" for n, e in entries}
 
 
 def _strip_weights(path: Path, served: set[str], out: Path) -> None:
     """Copy the package without the weight files of tensors the model provides when served."""
     with zipfile.ZipFile(path) as src:
-        root, config = _weights_config(src)
-        drop = {f"{root}/data/weights/{_weight_file(config[n])}" for n in served if n in config}
+        files = _weight_files(src)
+        drop = {files[n] for n in served if n in files}
         with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
             for info in src.infolist():
                 if info.filename not in drop:
                     dst.writestr(info, src.read(info.filename))
-
-
-def _weight_file(entry: Any) -> str:
-    return entry[0] if isinstance(entry, list) else entry["path_name"]
 
 
 def _plain_step(kwargs: Mapping[str, Any], length: int) -> bool:
@@ -254,7 +258,7 @@ class AotDecoder:
         import torch._inductor
 
         package = Path(package)
-        manifest = json.loads(Path(f"{package}.json").read_text())
+        manifest = json.loads(manifest_path(package).read_text())
         self.max_cache_len = int(manifest["max_cache_len"])
         if manifest.get("format") != _FORMAT or manifest["signature"] != signature(model, self.max_cache_len):
             raise ValueError(f"{package} was compiled for another model, torch or optq; build it again")
@@ -272,6 +276,9 @@ class AotDecoder:
         # generate passes options (logits_to_keep: the prompt's last logits only) by forward's signature
         model.forward = functools.update_wrapper(forward, self._eager)
         self.steps = 0  # decoding steps the package ran
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        self._output = CausalLMOutputWithPast
 
     def _constants(self, model: nn.Module, package: Path, tensors: Mapping[str, list]) -> dict[str, torch.Tensor]:
         """Every constant the package reads: the model's and the cache's tensors by the manifest
@@ -295,11 +302,10 @@ class AotDecoder:
         missing = set(self.runner.get_constant_fqns()) - set(out)
         if missing:
             with zipfile.ZipFile(package) as archive:
-                root, config = _weights_config(archive)
-                files = set(archive.namelist())
+                files, present = _weight_files(archive), set(archive.namelist())
                 for name in missing:
-                    file = f"{root}/data/weights/{_weight_file(config[name])}" if name in config else None
-                    if file not in files:
+                    file = files.get(name)
+                    if file not in present:
                         raise ValueError(f"{package} has no value for its constant {name}; build it again")
                     out[name] = torch.load(io.BytesIO(archive.read(file)), weights_only=True)
         return out
@@ -321,12 +327,10 @@ class AotDecoder:
             position = self._lengths[0]
             length = int(position)
             if length < self.max_cache_len and _plain_step(kwargs, length):
-                from transformers.modeling_outputs import CausalLMOutputWithPast
-
                 logits = self.runner(ids, position.view(1, 1))  # the step's output as exported: one tensor
                 torch._foreach_add_(self._lengths, 1)
                 self.steps += 1
-                return CausalLMOutputWithPast(logits=logits, cache=self.cache)
+                return self._output(logits=logits, cache=self.cache)
         return self._eager(*args, **kwargs)
 
     def close(self) -> None:
@@ -356,16 +360,16 @@ class AotDecoder:
         if any(not q.use_fast_path for q in model.modules() if isinstance(q, QuantLinear)):
             raise ValueError("ahead-of-time decoding runs quantized layers on their fast path (use_fast_path)")
         path = package_path(model, max_cache_len, cache_dir)
-        if not Path(f"{path}.json").exists():
+        if not manifest_path(path).exists():
             spec = {"source": str(source), "load": dict(load or {}), "max_cache_len": max_cache_len, "out": str(path)}
             cmd = [sys.executable, "-m", "optq.eval.aot", json.dumps(spec)]
             proc = subprocess.run(cmd, check=False, capture_output=True, text=True)  # the compiler's warnings
             if proc.returncode:
                 tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
                 raise RuntimeError(f"compiling the decoding step failed (exit status {proc.returncode}):\n{tail}")
-            built = json.loads(Path(f"{path}.json").read_text())["signature"]
+            built = json.loads(manifest_path(path).read_text())["signature"]
             if built != signature(model, max_cache_len):  # the child's model is not this one
-                for stale in (path, Path(f"{path}.json")):
+                for stale in (path, manifest_path(path)):
                     stale.unlink(missing_ok=True)
                 raise ValueError(
                     f"{source} loaded with {dict(load or {})} is not the model given (another dtype, "

@@ -102,7 +102,7 @@ def test_a_package_serves_only_the_model_it_was_built_for(checkpoint, packages):
     path = aot.AotDecoder.for_model(model, checkpoint, LENGTH, load={"dtype": "float32"}, cache_dir=packages)
     path.close()
     built = aot.package_path(model, LENGTH, packages)
-    assert built.exists() and built.with_suffix(".pt2.json").exists()
+    assert built.exists() and aot.manifest_path(built).exists()
     other, _ = load_model(checkpoint, dtype=torch.float32, embeddings="int8")  # another head and table
     assert aot.package_path(other, LENGTH, packages) != built
     with pytest.raises(ValueError, match="compiled for another model"):
@@ -110,12 +110,12 @@ def test_a_package_serves_only_the_model_it_was_built_for(checkpoint, packages):
     assert "forward" not in other.__dict__  # nothing installed
     # the model's tensors are not in the package (read from the model when served): what is
     # left of its weights are the compiler's own scalars (the kernels' group sizes)
-    served = json.loads(built.with_suffix(".pt2.json").read_text())["tensors"]
+    served = json.loads(aot.manifest_path(built).read_text())["tensors"]
     with zipfile.ZipFile(built) as archive:
-        root, config = aot._weights_config(archive)
+        weight_files = aot._weight_files(archive)
         files = {i.filename: i.file_size for i in archive.infolist() if "/data/weights/" in i.filename}
-    used = [n for n in served if n in config]  # the package reads these (not every exported tensor)
-    assert used and not any(f"{root}/data/weights/{aot._weight_file(config[n])}" in files for n in used)
+    used = [n for n in served if n in weight_files]  # the package reads these (not every exported tensor)
+    assert used and not any(weight_files[n] in files for n in used)
     assert files and max(files.values()) < 4096
 
 
