@@ -14,6 +14,7 @@ deterministic). Prints a table and writes benchmarks/results/allocation[-<model>
     python benchmarks/allocation.py [--model smollm2-135m] [--target-bits 3.5] [--nsamples 32]
         [--seqlen 512] [--windows 8] [--corpora enwiki,debref-de,code]
         [--quantize uniform-3-g64,first-last-4-g64,attention-4-mlp-3-g128,down-4-g128] [--rtn]
+        [--target-check K] [--rechecked]
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ def main() -> None:
         help="candidates to quantize too (comma-separated; names as the run's report gives them; "
         "'heuristics': every fixed heuristic the run checked within 0.5 bits per weight of the budget)",
     )
+    ap.add_argument(
+        "--target-check",
+        type=int,
+        default=optq.RunSettings().target_check,
+        help="the run's target_check (the best candidates by the proxy quantized as the run does)",
+    )
+    ap.add_argument("--rechecked", action="store_true", help="also quantize every candidate the run rechecked")
     ap.add_argument("--rtn", action="store_true", help="also measure every candidate as a round-to-nearest model")
     ap.add_argument("--reuse", action="store_true", help="reuse the heuristics' rows of the last result (see above)")
     args = ap.parse_args()
@@ -99,13 +107,18 @@ def main() -> None:
     kw = dict(nsamples=args.nsamples, seqlen=args.seqlen, progress=False)
     t0 = time.perf_counter()
     chosen_model = copy.deepcopy(model)
-    report = optq.quantize(chosen_model, calib, optq.QuantConfig(), target_bits=args.target_bits, **kw)
+    report = optq.quantize(
+        chosen_model, calib, optq.QuantConfig(), target_bits=args.target_bits, target_check=args.target_check, **kw
+    )
     seconds = time.perf_counter() - t0
     a = report.allocation
     method = (report.to_dict().get("options") or {}).get("method")
     print(f"allocation {a['seconds']:.1f} s of a {seconds:.1f} s run; chosen {a['chosen']}", flush=True)
+    check = a.get("check") or {}
+    print(f"  {check.get('candidates', 0)} rechecked as the run quantizes in {check.get('seconds', 0):.1f} s")
     for key, row in a["candidates"].items():
-        print(f"  {key:32} {row.get('bits_per_weight', float('nan')):7.3f} {row.get('kl', row.get('refused'))}")
+        again = f" run {row['run_kl']:.4f}" if "run_kl" in row else ""
+        print(f"  {key:32} {row.get('bits_per_weight', float('nan')):7.3f} {row.get('kl', row.get('refused'))}{again}")
     evals = {c: tokenize(load_text(c, "eval"), tok) for c in args.corpora.split(",")}
 
     def ppl(m) -> dict[str, float]:
@@ -120,6 +133,8 @@ def main() -> None:
     names = [k.strip() for k in args.quantize.split(",") if k.strip()]
     if "heuristics" in names:
         names = [k for k in seen if heuristic(k) and a["candidates"][k]["bits_per_weight"] >= args.target_bits - 0.5]
+    if args.rechecked:
+        names += [k for k, r in a["candidates"].items() if "run_kl" in r and k not in names]
     for key in [k for k in names if k != a["chosen"]]:
         if key in old and heuristic(key):  # knapsacks and filled heuristics depend on the measurements
             rows[key] = {**a["candidates"][key], **old[key], "reused": True}
@@ -148,6 +163,7 @@ def main() -> None:
         "allocation_seconds": a["seconds"],
         "run_seconds": seconds,
         "chosen": a["chosen"],
+        "check": {k: check.get(k) for k in ("wanted", "candidates", "skipped", "seconds")},
         "block_kl": a["gains"]["block_kl"],
         "chosen_layers": {n: [r["bits"], r["group_size"]] for n, r in a["layers"].items()},
         "rows": rows,
@@ -163,7 +179,8 @@ def main() -> None:
         cells = " ".join(f"{got[c]:8.2f} ({got[c] - fp[c]:+6.2f})" if c in got else f"{'-':>16}" for c in evals)
         mark = " *" if key == a["chosen"] else ""
         size, kl, took = row["bits_per_weight"], row.get("kl", 0), row.get("seconds", 0)
-        print(f"{key + mark:30} {size:7.3f} {kl:8.4f} {cells} {took:6.0f}")
+        again = f" run KL {row['run_kl']:.4f}" if "run_kl" in row else ""
+        print(f"{key + mark:30} {size:7.3f} {kl:8.4f} {cells} {took:6.0f}{again}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""The method flags of ``optq quantize`` (``RunSettings.method`` and GPTAQ's settings)."""
+"""The method and serving flags of ``optq quantize`` (``RunSettings.method`` and GPTAQ's settings;
+``serve``, ``strict_groups``, ``target_bits`` and ``target_check``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["add_method_flags"]
+__all__ = ["add_method_flags", "add_serving_flags"]
 
 
 def add_method_flags(group: Any) -> None:
@@ -32,4 +33,37 @@ def add_method_flags(group: Any) -> None:
         default="paper",
         help="paper: each input channel's shift absorbed by the later columns as it is rounded (default); "
         "full: start GPTQ from the least-squares optimum",
+    )
+
+
+def add_serving_flags(group: Any, engines: Any) -> None:
+    """Add ``--serve`` (from ``engines``), ``--strict-groups``, ``--target-bits`` and
+    ``--target-check`` to an argparse group (``RunSettings.target_check``'s default restated:
+    a test holds them equal)."""
+    group.add_argument(
+        "--serve",
+        default=",".join(engines),
+        metavar="ENGINES",
+        help=f"engines every layer must run on, from {','.join(engines)} (default all; 'none': no check)",
+    )
+    group.add_argument(
+        "--strict-groups",
+        action="store_true",
+        help="refuse layers whose width the group size does not divide (default: a smaller group for those layers)",
+    )
+    group.add_argument(
+        "--target-bits",
+        type=float,
+        metavar="B",
+        help="average stored bits per weight (scales and zeros included): each linear's bits and group size "
+        "chosen under it from measured sensitivity, checked by KL to the float model; needs --serve without "
+        "transformers, or --format compressed-tensors",
+    )
+    group.add_argument(
+        "--target-check",
+        type=int,
+        default=3,
+        metavar="K",
+        help="with --target-bits: the K allocations with the lowest KL by the quick check are quantized as the "
+        "run does and compared again (about one run each; default %(default)s; 0: the quick check decides)",
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CliError, check_text_source
-from .methods import add_method_flags
+from .methods import add_method_flags, add_serving_flags
 from .summary import summary
 
 __all__ = ["register", "run", "config_from_args", "settings_from_args"]
@@ -136,26 +136,7 @@ def register(subparsers: Any) -> None:
         metavar="PATTERN:FIELD=VALUE[,...]",
         help="per-layer settings, e.g. '*.down_proj:bits=8' (repeatable; the first matching pattern decides)",
     )
-    s = p.add_argument_group("serving (every layer checked before any work)")
-    s.add_argument(
-        "--serve",
-        default=",".join(ENGINES),
-        metavar="ENGINES",
-        help=f"engines every layer must run on, from {','.join(ENGINES)} (default all; 'none': no check)",
-    )
-    s.add_argument(
-        "--strict-groups",
-        action="store_true",
-        help="refuse layers whose width the group size does not divide (default: a smaller group for those layers)",
-    )
-    s.add_argument(
-        "--target-bits",
-        type=float,
-        metavar="B",
-        help="average stored bits per weight (scales and zeros included): each linear's bits and group size "
-        "chosen under it from measured sensitivity, checked by KL to the float model; needs --serve without "
-        "transformers, or --format compressed-tensors",
-    )
+    add_serving_flags(p.add_argument_group("serving (every layer checked before any work)"), ENGINES)
     m = p.add_argument_group("mixture of experts (see docs/moe.md)")
     m.add_argument(
         "--moe-calibration",

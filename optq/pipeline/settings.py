@@ -179,6 +179,9 @@ class RunSettings:
             budget from measured sensitivity, candidates checked by their KL to the float model
             (``optq.pipeline.allocation.allocate``); the config's bits and group size are then
             ignored. Not with ``overrides``, nor with transformers serving a GPTQ format.
+        target_check: how many of the allocations with the lowest KL by that check are then
+            quantized as the run does (GPTAQ on its own inputs, say; about one run of the method
+            each) and compared again, the lowest KL winning; 0: the first check decides.
     Where and in what precision:
         device: the compute device (None: where the model's blocks are; CPU when streaming).
         compute_dtype: dtype of the block forwards, "float32", "bfloat16" or "float16" (None:
@@ -215,6 +218,7 @@ class RunSettings:
     serve: tuple[str, ...] = ()
     strict_groups: bool = False
     target_bits: float | None = None
+    target_check: int = 3
     device: str | None = None
     compute_dtype: str | None = None
     hessian_dtype: str = "float32"
@@ -268,6 +272,7 @@ class RunSettings:
         if self.max_hessian_memory is not None:
             put("max_hessian_memory", parse_size(self.max_hessian_memory, "max_hessian_memory"))
         _choice("format", self.format, FORMATS)
+        _count("target_check", self.target_check, minimum=0)
         _target_bits(self)
         _gptaq(self)
         parse_size(self.max_shard_size, "max_shard_size")

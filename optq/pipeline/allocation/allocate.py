@@ -27,8 +27,10 @@ stored bits per quantized weight (codes, scales, zero points and g_idx counted, 
    the allocations are compared by their effect on the output (``passes.divergence``): mean
    KL(float || quantized model) per token on the calibration batches held out of step 2 (the
    last quarter; with one batch, that batch), each candidate's layers quantized as in step 2.
-   The lowest KL wins. The proxy stands in for the run: GPTQ on float inputs for GPTAQ, which
-   corrects for the quantized inputs too.
+   The proxy stands in for the run: GPTQ on float inputs for GPTAQ, which corrects for the
+   quantized inputs too, and it misranks close candidates; so the ``target_check`` with the
+   lowest proxy KL are quantized as the run does (``recheck``) and scored again on the same
+   windows. The lowest KL of the last comparison wins.
 
 The result is JSON (the report's ``allocation``; the streaming journal keeps it, so a resumed run
 quantizes with the same settings) and becomes per-layer schemes through :func:`apply`.
@@ -45,8 +47,16 @@ import torch
 from torch import nn
 
 from optq.formats.linears import get_weight
-from optq.pipeline.allocation import knapsack
-from optq.pipeline.allocation.options import GROUPS, Setting, heuristics, layer_settings, stored_bits, units_of
+from optq.pipeline.allocation import knapsack, recheck
+from optq.pipeline.allocation.options import (
+    GROUPS,
+    Setting,
+    heuristics,
+    layer_settings,
+    overrides,
+    stored_bits,
+    units_of,
+)
 from optq.pipeline.allocation.passes import Gains, Streams, divergence, measure
 from optq.pipeline.blocks.capture import Call
 from optq.pipeline.blocks.prepare import Run
@@ -151,7 +161,7 @@ def plan(
     refused = {}
     for key, allocation in list(candidates.items()):
         try:
-            resolve(run.linears, names, run.config, _overrides(allocation), serve=s.serve, fmt=s.format)
+            resolve(run.linears, names, run.config, overrides(allocation), serve=s.serve, fmt=s.format)
         except ValueError as exc:
             refused[key] = str(exc).splitlines()[0]
             del candidates[key]
@@ -169,8 +179,12 @@ def plan(
         logits,
         fit=_streams(hidden, calls, ids, fit) if solve == "gptq" else None,
     )
-    chosen = min(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
-    return _result(run, (candidates, kl, refused, chosen, (base, block_kl)), sizes, energy, errors, (fit, held, start))
+    ranked = sorted(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
+    streams = (_streams(hidden, calls, ids, fit), _streams(hidden, calls, ids, held))
+    check, run_kl = recheck.choose(run, source, streams, [(k, candidates[k]) for k in ranked], logits)
+    chosen = min(run_kl, key=lambda k: (run_kl[k], ranked.index(k))) if run_kl else ranked[0]
+    outcome = (candidates, kl, run_kl, refused, chosen, (base, block_kl), check)
+    return _result(run, outcome, sizes, energy, errors, (fit, held, start))
 
 
 def _solve(run: Run) -> str:
@@ -180,10 +194,6 @@ def _solve(run: Run) -> str:
 
 def _streams(hidden: Sequence[torch.Tensor], calls: Sequence[Sequence[Call]], ids, which: list[int]) -> Streams:
     return Streams([hidden[b] for b in which], [[c[b] for b in which] for c in calls], [ids[b] for b in which])
-
-
-def _overrides(allocation: Mapping[str, Setting]) -> list[tuple[str, dict[str, int]]]:
-    return [(n, {"bits": b, "group_size": g}) for n, (b, g) in sorted(allocation.items())]
 
 
 def _weighted(kind: str, err: float, energy: float) -> float:
@@ -293,7 +303,7 @@ def _with_group(units, unit_options, bits: Mapping[str, int], group: int) -> dic
 
 
 def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
-    candidates, kl, refused, chosen, (base, block_kl) = outcome
+    candidates, kl, run_kl, refused, chosen, (base, block_kl), check = outcome
     fit, held, start = when
     names = sorted(run.targets)
     weights = {n: math.prod(get_weight(run.linears[n]).shape) for n in names}
@@ -309,6 +319,13 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
         f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
         f"({kl[chosen]:.4g} per token, {proxy}, {windows} held-out windows) of {len(candidates)} checked"
     )
+    if run_kl:
+        why = (
+            f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
+            f"({run_kl[chosen]:.4g} per token on {windows} held-out windows) quantized as the run does "
+            f"({run.settings.method}) of the {len(run_kl)} with the lowest KL by the proxy ({proxy}) "
+            f"of {len(candidates)} checked"
+        )
     layers = {}
     for n in names:
         b, g = best[n]
@@ -332,8 +349,12 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
             "base": {n: list(base[n]) for n in names},
             "block_kl": [block_kl.get(i) for i in range(len(run.blocks))],
         },
+        "check": check,  # the best candidates by the proxy, quantized as the run does (their run_kl)
         "candidates": {
-            **{k: {"bits_per_weight": bpw(a), "kl": kl[k]} for k, a in candidates.items()},
+            **{
+                k: {"bits_per_weight": bpw(a), "kl": kl[k], **({"run_kl": run_kl[k]} if k in run_kl else {})}
+                for k, a in candidates.items()
+            },
             **{k: {"refused": why_not} for k, why_not in refused.items()},
         },
         "layers": layers,
@@ -346,7 +367,7 @@ def apply(run: Run, allocation: Mapping[str, Any], report: Any = None) -> None:
     reason saying why; and ``report``'s ``allocation`` and ``schemes``."""
     s = run.settings
     chosen = {n: (row["bits"], row["group_size"]) for n, row in allocation["layers"].items()}
-    schemes = resolve(run.linears, sorted(run.targets), run.config, _overrides(chosen), serve=s.serve, fmt=s.format)
+    schemes = resolve(run.linears, sorted(run.targets), run.config, overrides(chosen), serve=s.serve, fmt=s.format)
     for n, row in allocation["layers"].items():
         schemes.why[n] = row["why"]
     schemes.notes.append(

@@ -18,7 +18,7 @@ from optq.formats import engines
 from optq.formats.layout import Scheme, packed_layout
 from optq.formats.schemes import fused_units
 
-__all__ = ["Setting", "GROUPS", "layer_settings", "stored_bits", "units_of", "heuristics", "size_of"]
+__all__ = ["Setting", "GROUPS", "layer_settings", "stored_bits", "units_of", "heuristics", "size_of", "overrides"]
 
 Setting = tuple[int, int]  # (bits, group_size)
 GROUPS = (32, 64, 128, -1)  # the group sizes tried (those dividing the layer's width)
@@ -65,6 +65,11 @@ def units_of(names: Sequence[str]) -> list[list[str]]:
 def size_of(allocation: Mapping[str, Setting], sizes: Mapping[tuple[str, Setting], int]) -> int:
     """Total stored bits of an allocation (``sizes`` by (layer, setting))."""
     return sum(sizes[(n, s)] for n, s in allocation.items())
+
+
+def overrides(allocation: Mapping[str, Setting]) -> list[tuple[str, dict[str, int]]]:
+    """An allocation as per-layer overrides (``RunSettings.overrides``, ``schemes.resolve``)."""
+    return [(n, {"bits": b, "group_size": g}) for n, (b, g) in sorted(allocation.items())]
 
 
 def _block_of(name: str) -> int | None:

@@ -39,7 +39,7 @@ from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline.blocks.capture import Call, discover_subsets, run_block
 from optq.pipeline.blocks.prepare import Run
 
-__all__ = ["rtn_weight", "measure", "divergence", "Streams", "Gains", "SOLVES"]
+__all__ = ["rtn_weight", "measure", "divergence", "Streams", "Gains", "SOLVES", "block_targets", "mean_kl", "swapped"]
 
 Setting = tuple[int, int]
 SOLVES = ("gptq", "rtn")
@@ -90,7 +90,7 @@ def _shared(run: Run, linears: Mapping[str, nn.Module], hessians: Mapping[str, H
 
 
 @contextlib.contextmanager
-def _swapped(linears: Mapping[str, nn.Module]):
+def swapped(linears: Mapping[str, nn.Module]):
     """Yield a setter ``put(name, weight)`` for ``linears``' weights; restore them all on exit."""
     original = {n: get_weight(m).clone() for n, m in linears.items()}
     try:
@@ -119,7 +119,7 @@ class Gains:
     logits: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _targets(run: Run, i: int, block: nn.Module) -> dict[str, nn.Module]:
+def block_targets(run: Run, i: int, block: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in find_linears(block, run.block_name(i)).items() if n in run.targets}
 
 
@@ -171,7 +171,7 @@ def measure(
         for i, block in enumerate(run.blocks):
             source.load(i, block)
             try:
-                linears = _targets(run, i, block)
+                linears = block_targets(run, i, block)
                 hessians, outs = _hessians(run, linears, block, streams, i)
                 base = {}
                 for members in _shared(run, linears, hessians):
@@ -192,7 +192,7 @@ def measure(
             finally:
                 source.release(i, block)
             streams.hidden = outs
-        kl = _mean_kl(fp, alone, gains.logits) if gains is not None else {}
+        kl = mean_kl(fp, alone, gains.logits) if gains is not None else {}
     return errors, energy, kl
 
 
@@ -203,14 +203,14 @@ def _alone(block, linears, base, inputs, alone: dict[int, list[torch.Tensor]], i
     for j, hidden in alone.items():
         alone[j] = [run_block(block, h, c) for h, c in zip(hidden, calls)]
     out = [run_block(block, h, c) for h, c in zip(fp, calls)]
-    with _swapped(linears) as put:
+    with swapped(linears) as put:
         for n in linears:
             put(n, base[n])
         alone[i] = [run_block(block, h, c) for h, c in zip(fp, calls)]
     return out
 
 
-def _mean_kl(fp: Sequence[torch.Tensor], streams: Mapping, logits) -> dict:
+def mean_kl(fp: Sequence[torch.Tensor], streams: Mapping, logits) -> dict:
     """Mean KL(float || stream) per token at the head, for each of ``streams`` (by key)."""
     total = {k: 0.0 for k in streams}
     count = 0
@@ -247,18 +247,18 @@ def divergence(
     with torch.no_grad():
         for i, block in enumerate(run.blocks):
             source.load(i, block)
-            linears = _targets(run, i, block)
+            linears = block_targets(run, i, block)
             try:
                 quantized = _block_candidates(run, (i, block), linears, allocations, fit)
                 fp = [run_block(block, h, c) for h, c in zip(fp, streams.calls[i])]
-                with _swapped(linears) as put:
+                with swapped(linears) as put:
                     for key, allocation in allocations.items():
                         for n in linears:
                             put(n, quantized[(n, allocation[n])])
                         cand[key] = [run_block(block, h, c) for h, c in zip(cand[key], streams.calls[i])]
             finally:
                 source.release(i, block)
-        return _mean_kl(fp, cand, logits)
+        return mean_kl(fp, cand, logits)
 
 
 def _block_candidates(run: Run, where, linears, allocations, fit: Streams | None):
