@@ -77,26 +77,23 @@ def recheck(
     fit, held = streams
     gptaq = run.settings.method == "gptaq"
     chains = {k: ([h.clone() for h in fit.hidden], [h.clone() for h in held.hidden]) for k in schemes}
-    fp_fit = [h.clone() for h in fit.hidden] if gptaq else None
+    fp_fit = list(fit.hidden) if gptaq else None  # new lists per block; each candidate takes copies
     fp_held = list(held.hidden)
     kept = run.schemes
-    try:
-        with torch.no_grad():
-            for i, block in enumerate(run.blocks):
-                source.load(i, block)
-                try:
-                    fp_held = [run_block(block, h, c) for h, c in zip(fp_held, held.calls[i])]
-                    fp_next = [run_block(block, h, c) for h, c in zip(fp_fit, fit.calls[i])] if gptaq else None
-                    for key, chosen in schemes.items():
-                        run.schemes = chosen
-                        chains[key] = _candidate_block(run, (i, block), streams, chains[key], fp_fit)
-                    fp_fit = fp_next
-                finally:
-                    run.schemes = kept
-                    source.release(i, block)
-            return mean_kl(fp_held, {k: q_held for k, (_, q_held) in chains.items()}, logits)
-    finally:
-        run.schemes = kept
+    with torch.no_grad():
+        for i, block in enumerate(run.blocks):
+            source.load(i, block)
+            try:
+                fp_held = [run_block(block, h, c) for h, c in zip(fp_held, held.calls[i])]
+                fp_next = [run_block(block, h, c) for h, c in zip(fp_fit, fit.calls[i])] if gptaq else None
+                for key, chosen in schemes.items():
+                    run.schemes = chosen
+                    chains[key] = _candidate_block(run, (i, block), streams, chains[key], fp_fit)
+                fp_fit = fp_next
+            finally:
+                run.schemes = kept
+                source.release(i, block)
+        return mean_kl(fp_held, {k: q_held for k, (_, q_held) in chains.items()}, logits)
 
 
 def _candidate_block(run: Run, where, streams: tuple[Streams, Streams], chains, fp_fit):
