@@ -122,3 +122,26 @@ def test_section_sets_autoscheme_beside_the_same_budget(tmp_path):
     row = "| auto-round AutoScheme's allocation, quantized by optq | 3.490 | - | 20.00 (+10.00) | 14.00 (+4.00) |"
     assert text.count(row) == 1 and text.index(row) < text.index("### m at 4.25 bits")  # only at its budget
     assert "quantized the same way: lower on enwiki." in text  # 19 < 20 on enwiki, 15 > 14 on code
+
+
+def test_a_result_with_rechecked_candidates_shows_their_kl_as_run(tmp_path):
+    r = _result({"enwiki": 8.0, "code": 5.0})
+    r["rows"]["first-last-4-g64+fill"]["run_kl"] = 0.4321
+    r["rows"]["uniform-3-g64+fill"]["run_kl"] = 0.6789
+    r["check"] = {"wanted": 2, "candidates": 2, "skipped": None, "seconds": 123.4}
+    (tmp_path / "allocation.json").write_text(json.dumps(r))
+    text = alloc.allocation_section(tmp_path)
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| candidate | bits/weight | KL (check) | KL (as run) | enwiki | code |")
+    widths = {line.count("|") for line in table}
+    assert widths == {7}  # every row has the extra cell
+    rows = {line.split(" | ")[0].removeprefix("| "): line.split(" | ")[3] for line in table[2:]}
+    assert rows["first and last blocks at 4, rest 3, group 64, filled (chosen)"] == "0.432"
+    assert rows["uniform 3-bit, group 64, filled"] == "0.679"
+    assert rows["uniform 3-bit, group 64"] == "-"
+    assert "The 2 candidates with the lowest KL by the check were quantized as the run does (gptaq)" in text
+    del r["check"]
+    for row in r["rows"].values():
+        row.pop("run_kl", None)
+    (tmp_path / "allocation.json").write_text(json.dumps(r))
+    assert "KL (as run)" not in alloc.allocation_section(tmp_path)  # older results keep their table
