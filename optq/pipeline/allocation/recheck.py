@@ -32,6 +32,7 @@ from optq.pipeline.allocation.options import overrides
 from optq.pipeline.allocation.passes import Streams, block_targets, mean_kl, swapped
 from optq.pipeline.blocks.block import quantize_block
 from optq.pipeline.blocks.capture import run_block
+from optq.pipeline.blocks.loop import new_report
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.schemes import LayerSchemes, resolve
 
@@ -57,13 +58,6 @@ def affordable(run: Run, fit: Streams, held: Streams, wanted: int) -> int:
     return min(wanted, run.settings.hessian_budget // per) if per else wanted
 
 
-class _Quiet:
-    """A progress bar that shows nothing (``quantize_block`` sets its postfix)."""
-
-    def set_postfix_str(self, *_args, **_kwargs) -> None:
-        pass
-
-
 def recheck(
     run: Run,
     source,
@@ -74,7 +68,10 @@ def recheck(
     """Mean KL(float || candidate) per token on the held-out windows (``streams[1]``) of each
     candidate of ``schemes`` (its per-layer schemes) quantized as the run does on the sensitivity
     windows (``streams[0]``); neither stream is changed, and every weight is left as it was."""
+    from tqdm.auto import tqdm
+
     fit, held = streams
+    bar = tqdm(disable=True)  # quantize_block shows each layer on the run's bar; none here
     gptaq = run.settings.method == "gptaq"
     chains = {k: ([h.clone() for h in fit.hidden], [h.clone() for h in held.hidden]) for k in schemes}
     fp_fit = list(fit.hidden) if gptaq else None  # new lists per block; each candidate takes copies
@@ -88,7 +85,7 @@ def recheck(
                 fp_next = [run_block(block, h, c) for h, c in zip(fp_fit, fit.calls[i])] if gptaq else None
                 for key, chosen in schemes.items():
                     run.schemes = chosen
-                    chains[key] = _candidate_block(run, (i, block), streams, chains[key], fp_fit)
+                    chains[key] = _candidate_block(run, (i, block), streams, chains[key], (fp_fit, bar))
                 fp_fit = fp_next
             finally:
                 run.schemes = kept
@@ -96,27 +93,26 @@ def recheck(
         return mean_kl(fp_held, {k: q_held for k, (_, q_held) in chains.items()}, logits)
 
 
-def _candidate_block(run: Run, where, streams: tuple[Streams, Streams], chains, fp_fit):
+def _candidate_block(run: Run, where, streams: tuple[Streams, Streams], chains, context):
     """Block ``where`` quantized by the run's code with ``run.schemes`` on the candidate's chain of
     sensitivity windows (advanced in place), its held-out chain carried through it; the block's
-    weights restored. Returns the two chains."""
-    from optq.pipeline.blocks.loop import new_report
-
-    (i, block), (fit, held), (q_fit, q_held) = where, streams, chains
+    weights restored. ``context``: the float chain of the sensitivity windows (GPTAQ; else None)
+    and the progress bar. Returns the two chains."""
+    (i, block), (fit, held), (q_fit, q_held), (fp_fit, bar) = where, streams, chains, context
     with swapped(block_targets(run, i, block)):
         fp_in = [h.clone() for h in fp_fit] if fp_fit is not None else None  # the twin advances its chain
-        quantize_block(run, run.block_name(i), block, (q_fit, fit.calls[i]), new_report(run, {}), _Quiet(), fp_in)
+        quantize_block(run, run.block_name(i), block, (q_fit, fit.calls[i]), new_report(run, {}), bar, fp_in)
         return q_fit, [run_block(block, h, c) for h, c in zip(q_held, held.calls[i])]
 
 
 def choose(run: Run, source: Any, streams: tuple[Streams, Streams], ranked, logits):
     """The first ``target_check`` of ``ranked`` (name, allocation) pairs quantized as the run does
     (``recheck``): the report's ``check`` and their KL by name (empty: the proxy decides)."""
-    s = run.settings
-    wanted = s.target_check if needed(run) else 0
+    s, need = run.settings, needed(run)
+    wanted = s.target_check if need else 0
     count = affordable(run, *streams, wanted) if wanted else 0
     skipped = None
-    if not needed(run):
+    if not need:
         skipped = f"not needed: the proxy quantizes as the run does ({s.method}, propagate={s.propagate})"
     elif count < wanted:
         skipped = f"{wanted - count} of {wanted} left out: their chains would exceed max_hessian_memory"
