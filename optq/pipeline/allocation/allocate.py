@@ -315,17 +315,15 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
     windows = sum(int(run.batches[b].shape[0]) for b in held)
     best = candidates[chosen]
     proxy = {"gptq": "GPTQ on the float model's H", "rtn": "round-to-nearest"}[_solve(run)]
-    why = (
-        f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
-        f"({kl[chosen]:.4g} per token, {proxy}, {windows} held-out windows) of {len(candidates)} checked"
-    )
+    why = f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
     if run_kl:
-        why = (
-            f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
+        why += (
             f"({run_kl[chosen]:.4g} per token on {windows} held-out windows) quantized as the run does "
             f"({run.settings.method}) of the {len(run_kl)} with the lowest KL by the proxy ({proxy}) "
-            f"of {len(candidates)} checked"
         )
+    else:
+        why += f"({kl[chosen]:.4g} per token, {proxy}, {windows} held-out windows) "
+    why += f"of {len(candidates)} checked"
     layers = {}
     for n in names:
         b, g = best[n]
