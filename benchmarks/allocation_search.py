@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import kl_per_token
 
 import optq
 from optq.core import solver
@@ -90,11 +91,10 @@ class Stitched:
                         self.current[name] = setting
 
     def kl(self, allocation, ref: torch.Tensor, ids: torch.Tensor) -> float:
-        """Mean KL(float || stitched) per token; ``ref`` the float model's log-probabilities."""
+        """Mean KL(float || stitched) per token; ``ref`` the float model's logits."""
         self.set(allocation)
         with torch.inference_mode():
-            logq = torch.log_softmax(self.model(ids).logits.float(), -1)
-        return float((ref.exp() * (ref - logq)).sum(-1).mean())
+            return kl_per_token(ref, self.model(ids).logits)
 
 
 def main() -> None:
@@ -163,8 +163,8 @@ def main() -> None:
         return child
 
     with torch.inference_mode():
-        ref_search = torch.log_softmax(model(search).logits.float(), -1)
-        ref_hold = torch.log_softmax(model(holdout).logits.float(), -1)
+        ref_search = model(search).logits
+        ref_hold = model(holdout).logits
     stitched = Stitched(model, linears, variants, units)
     start = [tuple(chosen[unit[0]]) for unit in units]
     outside = [u[0] for u, s, c in zip(units, start, choices) if s not in c]

@@ -20,10 +20,8 @@ against float64 Hessians (benchmarks/results/hessian_dtype_cost.json).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,9 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, weights_sha256
 
 
 def worker(
@@ -61,9 +57,6 @@ def worker(
         model, calib, optq.QuantConfig(bits=4, group_size=128), progress=False, hessian_dtype=hessian_dtype
     )
     wall = time.perf_counter() - t0
-    digest = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        digest.update(name.encode() + p.detach().contiguous().numpy().tobytes())
     s = current().seconds
     blocks = sum(report.block_seconds)
     split = {"all-reduce": s["all_reduce"], "solve": s["solve"], "broadcast": s["gather"] + s["check"]}
@@ -78,7 +71,7 @@ def worker(
                 "start_rss_mb": base,
                 "split_s": split,
                 "per_block_s": {k: v / len(report.block_seconds) for k, v in split.items()},
-                "weights_sha256": digest.hexdigest(),
+                "weights_sha256": weights_sha256(model),
                 "layers_solved": sum(1 for r in report.solved_by.values() if r == rank)
                 if world > 1
                 else len(report.layers),

@@ -26,19 +26,15 @@ import copy
 import json
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import optq  # noqa: E402
-from optq.core.memory import release_host_memory  # noqa: E402
-from optq.eval.speed import reset_peak, status_mb  # noqa: E402
+import optq
+from optq.core.memory import release_host_memory
+from optq.eval.speed import reset_peak, status_mb
 
 RESULTS = ROOT / "benchmarks" / "results" / "gptaq.json"
 MODEL = "smollm2-135m"

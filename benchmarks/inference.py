@@ -46,7 +46,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -198,7 +199,6 @@ def main() -> int:
         help="skip the fp32 and int8 embedding variants and their perplexity",
     )
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from optq.data.corpora import cache_dir
     from optq.data.zoo import resolve_model
 

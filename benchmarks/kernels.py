@@ -17,18 +17,15 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from optq.core.config import QuantConfig  # noqa: E402
-from optq.core.solver import rtn  # noqa: E402
-from optq.formats import cpu_kernels  # noqa: E402
-from optq.formats.qlinear import QuantLinear  # noqa: E402
+from optq.core.config import QuantConfig
+from optq.core.solver import rtn
+from optq.formats import cpu_kernels
+from optq.formats.qlinear import QuantLinear
 
 SHAPES = [(576, 576), (576, 1536), (1536, 576)]
 

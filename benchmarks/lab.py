@@ -16,20 +16,14 @@ import argparse
 import json
 import math
 import platform
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import ROOT
+from lab_report import write_doc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from lab_report import write_doc  # noqa: E402
-
-import optq  # noqa: E402
+import optq
 
 RESULTS = ROOT / "benchmarks" / "results" / "lab.json"
 MODEL = "smollm2-135m"

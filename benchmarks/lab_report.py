@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from common import md_table
 from lab_report_allocation import allocation_section
 from lab_report_calibration import claim5, claim6, claim7
 from lab_report_defaults import defaults_section
-from lab_tables import CORPORA, by_bits, md_table, ppl_row, pyplot, save_svg
+from lab_tables import CORPORA, by_bits, ppl_row, pyplot, save_svg
 
 
 # ------------------------------------------------------------------------------------ claims

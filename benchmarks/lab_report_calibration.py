@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lab_tables import CORPORA, by_bits, fmt, md_table, ppl_row, pyplot, save_svg
+from common import md_table
+from lab_tables import CORPORA, by_bits, fmt, ppl_row, pyplot, save_svg
 
 
 def claim5(d: dict[str, Any], figs: Path) -> str:

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shift_report import cell, f2, figure_name, heading, in_domain, matrix, md_table, sections, summary_table
+from common import md_row, md_table
+from shift_report import cell, f2, figure_name, heading, in_domain, matrix, sections, summary_table
 
 PLAIN = "gptq+shrink0"
 SWEEP = (32, 512, 8)  # nsamples, seqlen, windows of the candidate sweep
@@ -146,7 +147,7 @@ in `optq compare`. Calibrated on enwiki, {SWEEP[0]} x {SWEEP[1]} tokens, {SWEEP[
 | candidate | worst off-diagonal cell | in-domain gain kept (least) | vs plain GPTQ (largest rise) | eligible |
 | --- | --- | --- | --- | --- |
 """
-        + "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows)
+        + "\n".join(md_row(r) for r in rows)
         + "\n\n"
         + verdict
         + "\n"

@@ -34,14 +34,6 @@ def save_svg(fig: Any, folder: Path, name: str) -> str:
     return f"lab/{name}.svg"
 
 
-def md_row(cells: list[Any]) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def md_table(head: list[str], rows: list[list[Any]]) -> str:
-    return "\n".join([md_row(head), md_row(["---"] * len(head)), *(md_row(r) for r in rows)])
-
-
 def fmt(x: float | None) -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x:.2f}"
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import resource
 import subprocess
@@ -34,12 +33,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import ROOT, kl_per_token, weights_sha256
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import optq  # noqa: E402
-from optq.formats.experts import ExpertLinears, unfuse_experts  # noqa: E402
+import optq
+from optq.formats.experts import ExpertLinears, unfuse_experts
 
 VARIANTS = ("rtn", "routed0", "routed", "weighted", "all", "budget")
 VOCAB = 49152
@@ -99,11 +96,9 @@ def heldout_inputs(model, held: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     return got
 
 
-def logprobs(model, held: torch.Tensor) -> list[torch.Tensor]:
+def logits(model, held: torch.Tensor) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [
-            model(input_ids=held[b : b + 4], use_cache=False).logits.log_softmax(-1) for b in range(0, len(held), 4)
-        ]
+        return [model(input_ids=held[b : b + 4], use_cache=False).logits for b in range(0, len(held), 4)]
 
 
 def child(args: argparse.Namespace) -> None:
@@ -132,10 +127,7 @@ def child(args: argparse.Namespace) -> None:
     report = optq.quantize(model, calib, cfg, **kw)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    digest = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(p.detach().contiguous().numpy().tobytes())
+    digest = weights_sha256(model)
     unfuse_experts(fp)
     inputs = heldout_inputs(fp, held)
     n_tokens = held.numel()
@@ -151,10 +143,7 @@ def child(args: argparse.Namespace) -> None:
             "hessian": report.layers[name].hessian if name in report.layers else None,
         }
         err += e / n_tokens
-    kl = 0.0
-    for p, q in zip(logprobs(fp, held), logprobs(model, held)):
-        kl += float((p.exp() * (p - q)).sum())
-    kl /= n_tokens
+    kl = kl_per_token(logits(fp, held), logits(model, held))
     expert_linears = sum(isinstance(m, ExpertLinears) for m in model.modules())
     out = {
         "variant": v,
@@ -166,7 +155,7 @@ def child(args: argparse.Namespace) -> None:
         "heldout_layer_error": err,
         "kl": kl,
         "moe": report.moe,
-        "weights_sha256": digest.hexdigest(),
+        "weights_sha256": digest,
         "fallbacks": len(report.fallbacks),
         "experts_modules": expert_linears,
         "layers": per_layer,

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, md_table
 
 import optq
 from optq.pipeline.planning import plan
@@ -148,10 +145,7 @@ def main() -> int:
         f"Predicted by `optq quantize --dry-run` (optq.pipeline.planning.predict) at {args.nsamples} x {args.seqlen} "
         "calibration tokens, bf16 source, 4-bit g128, strategy replay; GB = 1e9 bytes.\n"
     )
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(["---"] * len(head)) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(md_table(head, rows))
     for n in notes:
         print(f"\n{n}")
     Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")

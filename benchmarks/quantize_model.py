@@ -20,7 +20,6 @@ activations" (inputs and outputs, 2 x tokens x hidden x 4 bytes) beyond the runt
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import platform
@@ -29,12 +28,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import ROOT, weights_sha256
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import optq  # noqa: E402
-from optq.eval.speed import peak_rss_mb, reset_peak, status_mb  # noqa: E402
+import optq
+from optq.eval.speed import peak_rss_mb, reset_peak, status_mb
 
 CALIB_CHARS = 2_000_000
 importlib.import_module("transformers")  # up front: part of the runtime baseline
@@ -53,15 +50,6 @@ def trim_heap() -> None:
 
     gc.collect()
     releaser("cpu")()
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's bytes, in name order."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def calibration(tokenizer, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
@@ -148,7 +136,7 @@ def run_once(args: argparse.Namespace) -> dict:
         "layers_worse_than_rtn": t["layers_worse_than_rtn"],
         "layers": t["layers"],
         "max_damp": t["max_damp"],
-        "digest": weights_digest(model),
+        "digest": weights_sha256(model),
         "report": report.to_dict(),
     }
 

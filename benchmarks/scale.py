@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
+from common import ROOT, md_row
 from scale_jobs import WORK, clear_output, predicted, spawn, synthetic, tensors_identical, worker
 
 RESULTS = ROOT / "benchmarks" / "results" / "scale.json"
@@ -57,10 +54,6 @@ def save(section: str, data: dict) -> None:
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
 
 
 # ------------------------------------------------------------------------------------ phases
@@ -88,7 +81,7 @@ def phase_depth(layers: list[int], nsamples: int, seqlen: int) -> dict:
             continue
         bs = r["block_s"]
         rows.append(
-            _row(
+            md_row(
                 [
                     str(n),
                     f"{weights / GB:.2f}",
@@ -111,8 +104,8 @@ def phase_depth(layers: list[int], nsamples: int, seqlen: int) -> dict:
             "met": rise <= 0.25 * layer_bytes,
         }
     print(f"\ndepth scaling: {nsamples} x {seqlen} random tokens, 4-bit g128, bf16 source, float32 compute")
-    print(_row(["layers", "source GB", "peak RSS GB", "plan peak GB", "runtime RSS GB", "s/block", "wall s"]))
-    print(_row(["---"] * 7))
+    print(md_row(["layers", "source GB", "peak RSS GB", "plan peak GB", "runtime RSS GB", "s/block", "wall s"]))
+    print(md_row(["---"] * 7))
     print("\n".join(rows))
     if "target" in out:
         t = out["target"]
@@ -124,7 +117,6 @@ def phase_depth(layers: list[int], nsamples: int, seqlen: int) -> dict:
 
 
 def phase_smollm() -> dict:
-    sys.path.insert(0, str(ROOT))
     from optq.data.zoo import resolve_model
 
     src = resolve_model("smollm2-135m")
@@ -154,12 +146,12 @@ def phase_smollm() -> dict:
             "time_within_10pct": s["wall_s"] <= 1.1 * m["wall_s"],
         }
         print("\nSmolLM2-135M (fp32 source), 128 x 512 enwiki tokens, default config")
-        print(_row(["path", "peak RSS GB", "wall s", "s/block"]))
-        print(_row(["---"] * 4))
+        print(md_row(["path", "peak RSS GB", "wall s", "s/block"]))
+        print(md_row(["---"] * 4))
         for k, label in (("stream", "quantize_pretrained"), ("memory", "load + optq.quantize + optq.save")):
             r = out[k]
             print(
-                _row(
+                md_row(
                     [
                         label,
                         f"{r['peak_rss'] / GB:.3f}",

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().with_name("scale.py")  # its --worker runs one job
 WORK = Path(os.environ.get("OPTQ_SCALE_WORK", "/tmp/optq_scale"))
 SYN = {
@@ -42,7 +41,6 @@ def _status(field: str) -> int:
 # ------------------------------------------------------------------------------------ worker
 def worker(job: dict) -> dict:
     """One quantization in this (fresh) process; returns its measurements."""
-    sys.path.insert(0, str(ROOT))
     import torch
     import transformers  # noqa: F401  (part of the runtime)
 
@@ -168,7 +166,6 @@ def tensors_identical(a: Path, b: Path) -> dict:
 
 
 def predicted(source: Path, nsamples: int, seqlen: int, shard: str) -> dict:
-    sys.path.insert(0, str(ROOT))
     import optq
     from optq.pipeline.planning import plan
 

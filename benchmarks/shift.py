@@ -33,22 +33,17 @@ import argparse
 import dataclasses
 import json
 import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import shift_report
 import torch
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import shift_report  # noqa: E402
-
-import optq  # noqa: E402
+import optq
 
 RESULTS = ROOT / "benchmarks" / "results" / "shift.json"
 # The defaults: docs/shift.md says why these texts, sources and candidates.

@@ -27,13 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
+from common import ROOT
 from shift_rules import layer_shrinks, units_of
 
 RESULTS = ROOT / "benchmarks" / "results" / "shift_lw.json"

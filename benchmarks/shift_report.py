@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from common import md_table
+
 # Display order (shift.py's defaults first; anything else measured follows in sorted order).
 EVAL = ["enwiki", "debref-de", "code", "debref-en", "debref-fr", "debref-ja", "debref-zh-cn", "news"]
 CALIB = ["enwiki", "debref-de", "code", "enwiki+debref-de+code", "enwiki+debref-de+code+debref-ja"]
@@ -131,11 +133,6 @@ def heading(sec: dict[str, Any]) -> str:
         f"{sec['model']}, {sec['bits']}-bit g{sec['group_size']}: calibrated on {sec['nsamples']} x {sec['seqlen']} "
         f"tokens, evaluated on {sec['windows']} windows of {sec['seqlen']} per text"
     )
-
-
-def md_table(head: list[str], rows: list[list[Any]]) -> str:
-    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
-    return "\n".join([line(head), line(["---"] * len(head)), *(line(r) for r in rows)])
 
 
 def summary_table(data: dict[str, Any], sec: dict[str, Any]) -> str:
