@@ -49,9 +49,10 @@ def worker(job: dict) -> dict:
 
     runtime = _status("VmRSS")
     calib = _calibration(job)
-    from optq.core.memory import release_host_memory
+    from optq.core.memory import fix_mmap_threshold, release_host_memory
 
     release_host_memory()  # the tokenizer and tokenising's heap, as `optq quantize` frees them
+    fix_mmap_threshold()  # as `optq quantize` does on the CPU (the library leaves it alone)
     config = optq.QuantConfig(**job.get("config", {}))
     t0 = time.perf_counter()
     if job["kind"] == "stream":

@@ -326,7 +326,9 @@ def run(args: argparse.Namespace) -> int:
     for source in split_sources(args.calib):
         check_text_source(source)
 
-    from optq.core.memory import releaser
+    import torch
+
+    from optq.core.memory import fix_mmap_threshold
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
     from optq.pipeline.distributed.ranks import init_from_env
     from optq.pipeline.stream.quantize import quantize_pretrained
@@ -343,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
     folder = _model_folder(args.model)
     _check_seqlen(args, _hf_config(folder), check_seqlen, max_positions)
     tokens = _calibration_tokens(args.calib, folder, args)
-    releaser(args.device)  # the host heap's policy from the start, the capture included
+    if torch.device(args.device).type == "cpu":  # the CLI owns the process: fixed from the start
+        fix_mmap_threshold()
     load_s = time.perf_counter() - t0
     report = quantize_pretrained(
         folder,

@@ -30,7 +30,6 @@ import bz2
 import gzip
 import hashlib
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from optq.core import environment
 from optq.data.wiki import dump_to_text
 
 __all__ = [
@@ -97,10 +97,10 @@ _SPLITS = {
 
 def cache_dir() -> Path:
     """The optq cache folder: ``$OPTQ_CACHE``, else ``$XDG_CACHE_HOME/optq``, else ``~/.cache/optq``."""
-    if os.environ.get("OPTQ_CACHE"):
-        return Path(os.environ["OPTQ_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "optq"
+    if mine := environment.get("OPTQ_CACHE"):
+        return Path(mine).expanduser()
+    if xdg := environment.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "optq"
     return Path.home() / ".cache" / "optq"
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from optq.core import environment
 from optq.data.corpora import CorpusError, Split, corpus_parts, is_corpus_name, known_corpora, split_text
 
 __all__ = [
@@ -201,7 +201,7 @@ def calibration_in_subprocess(folder: str | Path, spec: str, nsamples: int, seql
     there (an unknown corpus, too short a text) is raised here as ValueError with its message.
     """
     package_root = str(Path(__file__).resolve().parents[2])  # this optq, whatever the child's path
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    env = environment.child_environment(package_root)
     with tempfile.TemporaryDirectory(prefix="optq-tokens-") as tmp:
         out = Path(tmp) / "tokens.safetensors"
         code = "import sys; from optq.data.tokens import _child; sys.exit(_child(sys.argv[1:]))"

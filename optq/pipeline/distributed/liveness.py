@@ -20,10 +20,11 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import os
 import threading
 import time
 from typing import Any
+
+from optq.core import environment
 
 __all__ = ["Heartbeat", "peer_timeout", "ENV", "DEFAULT_TIMEOUT"]
 
@@ -35,7 +36,7 @@ DEFAULT_TIMEOUT = 60.0
 
 def peer_timeout() -> float:
     """Seconds without a heartbeat after which a peer counts as stopped (``OPTQ_DIST_PEER_TIMEOUT``)."""
-    raw = os.environ.get(ENV, "")
+    raw = environment.get(ENV) or ""
     if not raw:
         return DEFAULT_TIMEOUT
     try:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from optq.core import environment
 from optq.pipeline.distributed.liveness import Heartbeat, peer_timeout
 
 __all__ = ["Dist", "current", "init_from_env", "close", "DistributedError"]
@@ -266,17 +267,17 @@ def init_from_env(device: str | None = None) -> tuple[Dist, str | None]:
     The backend is NCCL for a CUDA device, with one GPU per rank from ``LOCAL_RANK`` (the
     returned device is ``cuda:LOCAL_RANK``), else gloo. Returns (the group, the device to use).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(environment.get("WORLD_SIZE") or "1")
     if world <= 1:
         return Dist(), device
     import torch.distributed as dist
 
     cuda = device is not None and str(device).startswith("cuda")
     if cuda:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        device = f"cuda:{int(environment.get('LOCAL_RANK') or '0')}"
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=float(os.environ.get("OPTQ_DIST_TIMEOUT", "600")))
+        timeout = datetime.timedelta(seconds=float(environment.get("OPTQ_DIST_TIMEOUT") or "600"))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         atexit.register(_close)
     return current(), device
