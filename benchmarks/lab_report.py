@@ -274,7 +274,7 @@ project's CPU machine, with the figure, the table and a verdict: confirmed, refu
 rewrites this page; the verdicts are computed from the numbers.
 
 Settings: every quantized run calibrates on {s["nsamples"]} x {s["seqlen"]} enwiki tokens
-(seed 0) unless its row says otherwise: 1/{128 * 512 // (s["nsamples"] * s["seqlen"])} of the README's 128 x 512, so
+(seed 0) unless its row says otherwise: 1/{128 * 512 // (s["nsamples"] * s["seqlen"])} of the demo's 128 x 512, so
 that the lab's {len(data.get("runs", {}))} runs fit in a session: they took
 {sum(r.get("seconds", 0) for r in data.get("runs", {}).values()) / 60:.0f} min here, on a machine measured at a third of
 its usual matmul speed and shared with other jobs. Evaluation: the first {s["windows"]} held-out windows of
