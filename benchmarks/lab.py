@@ -3,7 +3,7 @@
 Runs the experiments, keeps every result in benchmarks/results/lab.json (a run already there
 is not repeated: delete the file to start over), draws the figures into docs/lab/ and writes
 docs/lab.md. Every quantized run calibrates on ``--nsamples`` x ``--seqlen`` tokens (fewer than
-the README's 128 x 512, to fit the whole lab in well under an hour on 2 CPU cores) and is
+the demo's 128 x 512, to fit the whole lab in well under an hour on 2 CPU cores) and is
 evaluated on the same ``--windows`` held-out windows of enwiki, debref-de, code and debref-ja.
 
     python benchmarks/lab.py [--claims 1,2,3,4,5,6,7] [--nsamples 32] [--seqlen 512] [--windows 10]

@@ -8,6 +8,7 @@ the page, and a verdict changes when the numbers do.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,21 @@ at {slow:.0f}x or more of act-order GPTQ's time; act-order is {order} the natura
 CLAIMS = {1: claim1, 2: claim2, 3: claim3, 4: claim4, 5: claim5, 6: claim6, 7: claim7}
 
 
+def verdicts(sections: list[str]) -> str:
+    """The page's opening summary: each section's verdict paragraph, as computed below."""
+    lines = []
+    for text in sections:
+        title = re.match(r"## (\d+)\. (.*)", text)
+        for found in re.finditer(r"\*\*Verdict(?: on ([^:*]+))?: ([^*]*)\*\*((?:.|\n(?!\n))*)", text):
+            if title:
+                on = f" ({found.group(1)})" if found.group(1) else ""
+                rest = " ".join(found.group(3).split())
+                lines.append(
+                    f"- **{title.group(1)}. {title.group(2)}{on}**: {found.group(2)}" + (f" {rest}" if rest else "")
+                )
+    return "In short, the verdicts, each computed from the numbers below:\n\n" + "\n".join(lines) + "\n"
+
+
 def write_doc(data: dict[str, Any], docs: Path) -> Path:
     """Draw the figures and write docs/lab.md from the lab's results; returns the page's path."""
     s = data["settings"]
@@ -259,7 +275,7 @@ project's CPU machine, with the figure, the table and a verdict: confirmed, refu
 rewrites this page; the verdicts are computed from the numbers.
 
 Settings: every quantized run calibrates on {s["nsamples"]} x {s["seqlen"]} enwiki tokens
-(seed 0) unless its row says otherwise: 1/{128 * 512 // (s["nsamples"] * s["seqlen"])} of the README's 128 x 512, so
+(seed 0) unless its row says otherwise: 1/{128 * 512 // (s["nsamples"] * s["seqlen"])} of the demo's 128 x 512, so
 that the lab's {len(data.get("runs", {}))} runs fit in a session: they took
 {sum(r.get("seconds", 0) for r in data.get("runs", {}).values()) / 60:.0f} min here, on a machine measured at a third of
 its usual matmul speed and shared with other jobs. Evaluation: the first {s["windows"]} held-out windows of
@@ -279,6 +295,8 @@ Machine: {m.get("platform", "?")}, {m.get("threads", "?")} threads, torch {m.get
     results = Path(__file__).resolve().parent / "results"
     parts.append(defaults_section(results, docs))
     parts.append(allocation_section(results))
+    title, intro = parts[0].split("\n\n", 1)
+    parts[0] = f"{title}\n\n{verdicts(parts[1:])}\n{intro}"
     path = docs / "lab.md"
     path.write_text("\n".join(parts))
     return path

@@ -1,4 +1,4 @@
-"""The dry-run plan of large models, as a markdown table for the README.
+"""The dry-run plan of large models, as a markdown table for docs/scale.md.
 
 Predicted peak RAM and disk of ``quantize_pretrained`` (``optq.pipeline.planning.predict``; no weights
 needed: the configs below are the models' config.json values) for Llama-3-8B, Llama-3-70B,

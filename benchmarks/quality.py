@@ -1,4 +1,4 @@
-"""Perplexity of fp vs round-to-nearest vs GPTQ on a real model, with the README's protocol.
+"""Perplexity of fp vs round-to-nearest vs GPTQ on a real model, with docs/results.md's protocol.
 
 Calibration: 128 random windows x 512 tokens (seed 0) from the enwiki calibration part;
 evaluation: the first N consecutive non-overlapping 512-token windows of the held-out part of

@@ -17,8 +17,8 @@ CPU's measured 9.8e-12 s, 20 times faster), NCCL ring all-reduce at 150 GB/s, an
 broadcasts of each linear's codes (uint8), scales, zeros, g_idx and perm from the rank that
 solved it at 150 GB/s plus 50 us each. (Until solutions were broadcast as tensors they went
 through ``all_gather_object``, pickled through host memory: about 5 bytes per weight at an
-assumed 2 GB/s; ``--gather object`` prints that model, for comparison.) Prints the table in the
-README and writes benchmarks/results/scaling.json.
+assumed 2 GB/s; ``--gather object`` prints that model, for comparison.) Prints the table in
+docs/scale.md and writes benchmarks/results/scaling.json.
 
     python benchmarks/scaling.py [--nsamples 128] [--seqlen 2048] [--gather {tensors,object}]
 """

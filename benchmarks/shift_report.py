@@ -268,9 +268,39 @@ recovers on its own calibration text.
 """
 
 
+# The candidates the page's opening summary compares: plain GPTQ, the shrink, and optq's default.
+HEADLINE = {
+    "gptq+shrink0": "plain GPTQ",
+    "gptq+shrink0.5": "GPTQ, H shrunk halfway",
+    "gptaq+shrink0.5": "GPTAQ, H shrunk halfway (the default)",
+}
+
+
+def overview(data: dict[str, Any]) -> str:
+    """The page's opening summary: each section's worst cell for the headline candidates."""
+    secs = sections(data)
+    cands = [c for c in HEADLINE if any(c in sec["candidates"] for sec in secs)]
+    rows = []
+    for sec in secs:
+        worst = []
+        for cand in cands:
+            cells = [v for row in matrix(data, sec, cand).values() for v in row.values() if v is not None]
+            worst.append(f2(max(cells)) if cand in sec["candidates"] and cells else "–")
+        rows.append([heading(sec).replace(": calibrated on", ",").replace(" tokens, evaluated on", ";"), *worst])
+    return (
+        "In short: each section's worst cell (the largest ratio over every calibration source and "
+        "evaluation text; below 1, the candidate beats round-to-nearest on every text), for "
+        + ", ".join(HEADLINE[c] for c in cands)
+        + ":\n\n"
+        + md_table(["section", *(HEADLINE[c] for c in cands)], rows)
+        + "\n"
+    )
+
+
 def write_doc(data: dict[str, Any], docs: Path) -> Path:
     """docs/shift.md and its figures."""
-    parts = [INTRO]
+    title, rest = INTRO.split("\n", 1)
+    parts = [title + "\n", overview(data), rest.lstrip("\n")]
     for sec in sections(data):
         parts.append(f"## {heading(sec)}\n")
         fig = draw(data, sec, docs / "lab")

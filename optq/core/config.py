@@ -50,7 +50,7 @@ class QuantConfig:
             RMS, so every token weighs the same in the layer objective. Plain GPTQ weighs tokens
             by their squared activation norm, and in real models a few massive-activation
             tokens then own H; on SmolLM2-135M that made plain GPTQ lose to round-to-nearest
-            end to end (README, "Quality"). Only the pipeline reads it (optq.quantize).
+            end to end (docs/results.md, "Quality"). Only the pipeline reads it (optq.quantize).
         diag_shrink: shrink the Hessian toward its diagonal before solving,
             H <- (1 - s) H + s diag(H). The off-diagonal terms are the input correlations that
             GPTQ's compensation exploits; where calibration and serving text differ, those

@@ -1,7 +1,7 @@
 """The decoding step compiled ahead of time (AOTInductor): compiled speed without the compiler.
 
 ``torch.compile`` in the serving process keeps its tracer's graphs, guards and generated code
-resident (about 40 MB plus 2 MB per block on SmolLM2, measured: README "Serving on CPU"). Here a
+resident (about 40 MB plus 2 MB per block on SmolLM2, measured: docs/serving.md, "Serving on CPU"). Here a
 child process exports one decoding step of the same model (``torch.export``: one token in, its
 logits out, writing its keys and values into a static cache at the position it is given) and
 compiles it with AOTInductor into a package (a shared library and a manifest) under

@@ -13,7 +13,7 @@ from optq.core.config import SUPPORTED_BITS
 def test_defaults_and_derived_values():
     cfg = QuantConfig()
     # act-order with static groups and token-normalised Hessians: the best settings measured
-    # on SmolLM2-135M that cost nothing at inference time (README, "Quality")
+    # on SmolLM2-135M that cost nothing at inference time (docs/results.md, "Quality")
     assert (cfg.act_order, cfg.static_groups, cfg.normalize_tokens) == (True, True, True)
     assert QuantConfig(act_order=False).static_groups is False
     assert (cfg.bits, cfg.group_size, cfg.sym, cfg.damp, cfg.block_size) == (4, 128, True, 0.01, 128)

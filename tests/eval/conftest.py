@@ -3,7 +3,7 @@
 token sets, and the model quantized with the default settings at 4 bits, which both the quality
 test and the saved-artifact test use.
 
-The reduced protocol (README "Quality" uses 128 x 512 calibration tokens and 20 windows):
+The reduced protocol (docs/results.md "Quality" uses 128 x 512 calibration tokens and 20 windows):
 calibration 16 random windows x 256 tokens, seed 0, from the enwiki calibration part;
 evaluation the first 4 consecutive 512-token windows of the held-out part, no BOS.
 """
