@@ -127,15 +127,16 @@ def test_eval_and_quantize_name_a_file_that_is_not_utf8(model_dir, calib_only, t
 # --- what a failed run leaves on disk --------------------------------------------------------
 
 
-def _poisoned(model_dir: Path, tmp_path: Path, block: int) -> Path:
-    """``model_dir`` with one NaN in block ``block``'s second norm (its MLP input goes NaN)."""
+def _poisoned(model_dir: Path, tmp_path: Path, block: int, tensor: str = "post_attention_layernorm.weight") -> Path:
+    """``model_dir`` with one NaN in block ``block``'s ``tensor`` (by default its second norm:
+    its MLP input goes NaN)."""
     from safetensors.torch import load_file, save_file
 
     root = tmp_path / f"bad{block}"
     shutil.copytree(model_dir / "model", root / "model")
     shutil.copy(model_dir / "calib.txt", root / "calib.txt")
     tensors = load_file(str(root / "model" / "model.safetensors"))
-    tensors[f"model.layers.{block}.post_attention_layernorm.weight"][0] = float("nan")
+    tensors[f"model.layers.{block}.{tensor}"].view(-1)[0] = float("nan")
     save_file(tensors, str(root / "model" / "model.safetensors"), metadata={"format": "pt"})
     return root
 
@@ -159,6 +160,16 @@ def test_nan_in_block_1_says_what_is_left_on_disk_and_the_resume_it_offers_works
     assert main(quantize_args(model_dir, tmp_path / "fresh")) == 0
     got, want = folder_tensors(out), folder_tensors(tmp_path / "fresh")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_nan_weight_in_block_1_names_its_file_and_what_is_left(model_dir, tmp_path, capsys):
+    root = _poisoned(model_dir, tmp_path, 1, "mlp.up_proj.weight")
+    out = tmp_path / "q"
+    assert main(quantize_args(root, out)) == 2
+    line = _one_line(capsys)
+    shard = root / "model" / "model.safetensors"
+    assert f"optq: error: {shard}: model.layers.1.mlp.up_proj.weight has NaN/Inf values" in line, line
+    assert f"Left on disk: {out}.partial/ (1 finished block, " in line, line
 
 
 def test_nan_in_block_0_leaves_nothing_and_says_nothing_of_it(model_dir, tmp_path, capsys):
