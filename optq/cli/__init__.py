@@ -15,19 +15,16 @@ import os
 import pkgutil
 import signal
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "CliError", "check_text_source"]
+__all__ = ["main", "build_parser", "CliError", "check_text_source", "check_writable"]
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2, no traceback."""
-
-
-# OSErrors that name a wrong path the user gave (exit status 2, like other input errors); other
-# OSErrors are the environment's (a full disk, no permission: exit status 1).
-_INPUT_OS_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,16 +60,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_text_source(source: str) -> None:
     """Refuse, before any work, a --calib/--data value that is neither a corpus, a file nor hf:."""
-    from pathlib import Path
-
     from optq.data.corpora import is_corpus_name, known_corpora
 
-    if source.startswith("hf:") or is_corpus_name(source) or Path(source).expanduser().is_file():
+    path = Path(source).expanduser()
+    if path.is_file() and path.stat().st_size == 0:
+        raise CliError(f"{source} is empty (0 bytes): there is no text in it; give a file with text")
+    if source.startswith("hf:") or is_corpus_name(source) or path.is_file():
         return
     raise CliError(
         f"{source!r} is not a known corpus or a file; known corpora: "
         f"{', '.join(known_corpora())}; or give a .txt or .jsonl file, or hf:DATASET[:CONFIG]"
     )
+
+
+def check_writable(path: Path, flag: str, *, folder: bool = False) -> None:
+    """Refuse, before any work, an output ``path`` (a file, or with ``folder`` a folder) that
+    could not be written at the end: its nearest existing ancestor must be a folder where a
+    folder can be created (probed by creating and removing an empty one)."""
+    path = path.expanduser()
+    what = "folder" if folder else "file"
+    if path.exists() and path.is_dir() != folder:
+        raise CliError(f"{flag} {path}: is a {'file' if folder else 'folder'}, not a {what}; choose another {flag}")
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CliError(f"{flag} {path}: cannot be created, {parent} is a file, not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise CliError(f"{flag} {path}: cannot write the {what}, nothing can be created in {parent} ({why})") from None
+    os.rmdir(probe)
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -109,10 +128,10 @@ def _message(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``optq`` console script and ``python -m optq``.
 
-    Returns the exit status: 0 on success, 2 for a usage or input error (a bad flag, a missing
-    model, corpus or file, a corrupt checkpoint, ...), 1 for another error of the environment (a
-    full disk, a permission denied), 130 on Ctrl-C. Errors are printed as one ``optq: error:``
-    line, with the traceback under ``-v``; anything else is a bug and keeps its traceback.
+    Returns the exit status: 0 on success, 2 for any error (a bad flag, a missing model, corpus
+    or file, a corrupt checkpoint, a full disk, a permission denied, ...), 130 on Ctrl-C. Errors
+    are printed as one ``optq: error:`` line, with the traceback under ``-v``; anything else is a
+    bug and keeps its traceback.
     """
     try:
         # Building the parser imports every subcommand (torch among them: about a second), so a
@@ -178,4 +197,4 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if verbose:
             traceback.print_exc()
         print(f"optq: error: {_message(exc)}", file=sys.stderr)
-        return 1 if isinstance(exc, OSError) and not isinstance(exc, _INPUT_OS_ERRORS) else 2
+        return 2

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import CliError
+from . import CliError, check_writable
 
 __all__ = ["register", "run", "table", "plot"]
 
@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if not variants:
         raise CliError("--variants names no variant")
     corpora = [c.strip() for c in args.data.split(",") if c.strip()]
+    check_writable(args.json, "--json")  # before minutes of work, not after them
+    if args.plot is not None:
+        check_writable(args.plot, "--plot")
     try:
         model, tokenizer = zoo.load_model(args.model)
         bos = zoo.eval_bos_id(args.model, tokenizer, model.config)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import CliError
+from . import CliError, check_writable
 
 MODEL = "smollm2-135m"
 
@@ -67,6 +67,7 @@ def run_model(args: argparse.Namespace) -> int:
 
     from .compare import plot, table
 
+    check_writable(args.output, "-o", folder=True)  # before the download and the minutes of work
     t0 = time.perf_counter()
     torch.manual_seed(0)
     if not zoo.model_available(MODEL):

@@ -8,7 +8,7 @@ import math
 import time
 from pathlib import Path
 
-from . import CliError, check_text_source
+from . import CliError, check_text_source, check_writable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--seqlen must be >= 2, --windows >= 0 and --batch-size >= 1")
     for name in corpora:
         check_text_source(name)
+    if args.json is not None:
+        check_writable(args.json, "--json")  # before the evaluation, not after it
     started = time.perf_counter()
     try:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import CliError
+from . import CliError, _message
 
 MODEL_NAMES = ("gemma3-270m", "smollm2-135m")
 
@@ -57,5 +57,5 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"{name}: cached at {fetch_corpus(name)}")
         except (ModelError, CorpusError, OSError) as exc:
-            raise CliError(f"{name}: {exc}") from exc
+            raise CliError(f"{name}: {_message(exc)}") from exc
     return 0

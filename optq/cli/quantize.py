@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CliError, check_text_source
+from ._leftover import raise_with_leftover
 from .methods import add_method_flags, add_serving_flags
 from .summary import summary
 
@@ -348,17 +349,21 @@ def run(args: argparse.Namespace) -> int:
     if torch.device(args.device).type == "cpu":  # the CLI owns the process: fixed from the start
         fix_mmap_threshold()
     load_s = time.perf_counter() - t0
-    report = quantize_pretrained(
-        folder,
-        out,
-        tokens,
-        config,
-        settings=settings,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-        provenance={"model": args.model, "calib": args.calib},
-    )
+    try:
+        report = quantize_pretrained(
+            folder,
+            out,
+            tokens,
+            config,
+            settings=settings,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            provenance={"model": args.model, "calib": args.calib},
+        )
+    except Exception as exc:
+        raise_with_leftover(exc, out)  # when OUT.partial/ stays, the error says so
+        raise
     if dist.rank != 0:  # rank 0 speaks for the run
         return 0
     print(summary(report))

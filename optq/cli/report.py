@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import CliError
+from . import CliError, check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
             'optq report draws its figures with matplotlib: pip install "optq[plot]" '
             "(or pass --no-figures for tables only)"
         )
+    if args.output is not None:
+        check_writable(args.output, "-o")
     try:
         path = write_page(args.checkpoint, args.output, args.evaluations, figures=not args.no_figures)
     except (PageError, CheckpointError) as exc:

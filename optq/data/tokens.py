@@ -71,12 +71,32 @@ def load_text(name_or_path: str | Path, part: str = "calib", *, field: str = "te
             f"{key!r} is not a known corpus or a file; known corpora: {', '.join(known_corpora())}; "
             "or give a .txt or .jsonl file, or hf:DATASET[:CONFIG]"
         )
-    text = _jsonl_text(path, field) if path.suffix in (".jsonl", ".ndjson") else path.read_text(encoding="utf-8")
-    if part == "all":
-        return text
+    try:
+        text = _jsonl_text(path, field) if path.suffix in (".jsonl", ".ndjson") else path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from None
+    if not text.strip():
+        use = {"calib": "calibrate on", "eval": "evaluate on", "all": "read"}[part]
+        what = "is empty" if not text else "holds only whitespace"
+        raise CorpusError(f"{path} {what}: there is no text to {use}; give a file with text")
     cut = Split(calib_chars=max(1, int(len(text) * FILE_SPLIT)))
-    calib, evaluation = split_text(text, cut, what=str(path))
-    return calib if part == "calib" else evaluation
+    if part != "eval":  # the calibration part needs no evaluation part after it
+        return text if part == "all" else text[: cut.calib_chars]
+    return split_text(text, cut, what=str(path))[1]
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> CorpusError:
+    """The first byte of ``path`` that is not UTF-8, by its offset in the whole file (a text
+    stream's error counts from the chunk it was decoding)."""
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as whole:
+        exc = whole
+    byte = exc.object[exc.start]
+    return CorpusError(
+        f"{path} is not UTF-8 text: byte 0x{byte:02x} at offset {exc.start:,} ({exc.reason}); "
+        "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )
 
 
 def _jsonl_text(path: Path, field: str) -> str:
@@ -85,7 +105,10 @@ def _jsonl_text(path: Path, field: str) -> str:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CorpusError(f"{path}:{lineno} is not JSON ({exc.msg} at column {exc.colno})") from None
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, str):
                 raise CorpusError(f"{path}:{lineno} has no string field {field!r}; name the text field to use")

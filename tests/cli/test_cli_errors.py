@@ -70,8 +70,8 @@ def _library_errors():
             2,
             "m/config.json: No such file or directory",
         ),
-        (PermissionError(errno.EACCES, "Permission denied", "/out"), 1, "/out: Permission denied"),
-        (OSError(errno.ENOSPC, "No space left on device", "out/x"), 1, "out/x: No space left on device"),
+        (PermissionError(errno.EACCES, "Permission denied", "/out"), 2, "/out: Permission denied"),
+        (OSError(errno.ENOSPC, "No space left on device", "out/x"), 2, "out/x: No space left on device"),
         (ValueError("first line\nsecond line"), 2, "first line second line"),
     ]
 

@@ -191,8 +191,9 @@ def _float_parameters(blocks_name: str, blocks: nn.ModuleList, skipped: dict[str
                     )
 
 
-def check_finite_weights(linears: dict[str, nn.Module]) -> None:
-    """Raise ValueError naming the first weight holding a NaN or an infinity.
+def check_finite_weights(linears: dict[str, nn.Module], where: Any = None) -> None:
+    """Raise ValueError naming the first weight holding a NaN or an infinity (and the file it
+    was read from, ``where(name)``, when a streamed run gives it).
 
     Run on every layer to quantize before any weight changes (one min/max reduction per
     weight): a bad value found later, in a Hessian or the solver, would leave the model
@@ -204,7 +205,8 @@ def check_finite_weights(linears: dict[str, nn.Module]) -> None:
             continue
         low, high = torch.aminmax(w)  # a NaN propagates to both, an infinity to one
         if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+            place = f"{where(name)}: " if where is not None else ""
             raise ValueError(
-                f"{name}.weight has NaN/Inf values; the model is unchanged (is the checkpoint "
+                f"{place}{name}.weight has NaN/Inf values; the model is unchanged (is the checkpoint "
                 "corrupt? load it again or convert it anew)"
             )

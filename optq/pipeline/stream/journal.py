@@ -147,9 +147,9 @@ class Journal:
                 if self.dist.rank == 0:
                     self._open(resume)
             # After rank 0 (which may have reset a damaged journal); a rank whose own
-            # activations are damaged stops every rank.
+            # activations are damaged stops every rank. A fresh run's journal is rank 0's new one.
             with self.dist.failing_together():
-                if self.dist.rank != 0 and self.folder.exists() and (self.folder / STATE).exists():
+                if self.dist.rank != 0 and resume and self.folder.exists() and (self.folder / STATE).exists():
                     self._open_existing()
             return
         self._open(resume)

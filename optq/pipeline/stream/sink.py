@@ -42,7 +42,16 @@ class StreamedBlocks:
             self.src.load(block, name, self.run.device, self.dtype)
         self.resident.discard(i)
         # Read only now (optq.quantize checks a model in memory whole, before the first block).
-        check_finite_weights({n: m for n, m in find_linears(block, name).items() if n in self.run.targets})
+        check_finite_weights(
+            {n: m for n, m in find_linears(block, name).items() if n in self.run.targets}, where=self._file
+        )
+
+    def _file(self, module: str) -> str:
+        """The shard ``module``'s weight is read from (or of the fused tensor it is a slice of)."""
+        key = self.src.names(f"{module}.weight")
+        fused = self.src.slices.get(key)
+        entry = self.src.index.get(fused.key if fused is not None else key)
+        return str(self.src.folder / entry[0]) if entry is not None else str(self.src.folder)
 
     def release(self, i: int, block: nn.Module) -> None:
         self.src.release(block)
