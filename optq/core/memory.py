@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["releaser", "release_host_memory"]
+__all__ = ["releaser", "release_host_memory", "heap_trimmer"]
 
 
 def _noop() -> None:
@@ -72,3 +72,10 @@ def release_host_memory() -> None:
     trim = _malloc_trim(threshold=False)
     if trim is not None:
         trim()
+
+
+def heap_trimmer() -> Callable[[], None]:
+    """``malloc_trim(0)`` as a function (a no-op off glibc), leaving the mmap threshold and the
+    garbage collector alone: cheap enough for a loader to call after each module it reads, so
+    that the temporaries' heap pages go back before the next module's are taken."""
+    return _malloc_trim(threshold=False) or _noop
