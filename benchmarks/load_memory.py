@@ -3,9 +3,10 @@
 Each route runs in a fresh process: the imports first (torch, transformers, optq, and the
 model's class, by building it once on the meta device), then the resident size is read
 (``/proc/self/statm``), the kernel's high-water mark reset (``/proc/self/clear_refs``), the
-checkpoint loaded, and the peak (``VmHWM``, the same as ``ru_maxrss`` after the reset) and the
-resident size read again. ``overhead / loaded`` is the peak over the imports divided by the
-resident size over the imports: 1.0 would load with nothing beyond the model.
+checkpoint loaded, and the peak (``VmHWM``; ``ru_maxrss`` also holds the size of the process
+that started the child, recorded at its exec) and the resident size read again. ``peak/loaded``
+is the peak over the imports divided by the resident size over the imports: 1.0 would load
+with nothing beyond the model.
 
 Routes: ``optq.load(folder)`` (float32 model, bfloat16 embeddings: ``optq generate`` and
 ``optq eval``'s default) and the lean route ``load_model(folder, torch.bfloat16,
@@ -36,7 +37,7 @@ MB = 1e6
 ROUTES = ("optq.load", "lean")
 
 CHILD = r"""
-import gc, json, os, resource, sys, time
+import gc, json, os, sys, time
 folder, route = sys.argv[1], sys.argv[2]
 import torch
 from accelerate import init_empty_weights
@@ -67,7 +68,7 @@ if route == "lean":
     model, _ = load_model(folder, torch.bfloat16, embeddings="int8")
 else:
     model = optq.load(folder)
-peak = max(high_water(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peak = high_water()  # not ru_maxrss: that also holds the forking parent's size at exec
 seconds = time.perf_counter() - start
 print(json.dumps({"base": base, "peak": peak, "loaded": resident(), "seconds": seconds}))
 """
