@@ -39,7 +39,7 @@ loaded model's 237 (benchmarks/inference.py)."""
 Rows = Callable[[torch.Tensor, int, int], torch.Tensor]
 """``rows(weight, a, b)``: rows ``a:b`` of a table, in its dtype (``weight[a:b]`` unless a loader
 reads them from its file, the table itself still on the meta device)."""
-_CHUNK = 16 << 20  # bytes of float32 rows converted at a time
+_CHUNK = 4 << 20  # bytes of float32 rows converted at a time
 
 
 def _slice(weight: torch.Tensor, a: int, b: int) -> torch.Tensor:
