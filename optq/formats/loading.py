@@ -196,12 +196,12 @@ def load(
         model = compact_embeddings(model, embeddings, rows)  # before the rest is read
         trim, read = heap_trimmer(), 0
         trim()
-        left = Counter(mname.rpartition(".")[0] for mname in units)  # modules to read, by parent
+        pending = Counter(mname.rpartition(".")[0] for mname in units)  # modules to read, by parent
         for mname, names in units.items():
             plan.read(reader, model, mname, names, on_cpu)
             parent = mname.rpartition(".")[0]
-            left[parent] -= 1
-            if on_cpu and not left[parent]:  # its siblings run as one call (fused.py) from now
+            pending[parent] -= 1
+            if on_cpu and not pending[parent]:  # its siblings run as one call (fused.py) from now
                 fuse_siblings(model.get_submodule(parent), recurse=False)
             read += sum(math.prod(index[k][1]) * index[k][2].itemsize for k in names)
             if read >= TRIM_EVERY:  # the temporaries' heap pages: back to the system
