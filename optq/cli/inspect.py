@@ -172,12 +172,14 @@ def run(args: argparse.Namespace) -> int:
     float weight matrices left in the decoder blocks, the layers whose setting differs and why,
     then the layers (merged by pattern past :data:`MAX_ROWS`, unless ``--all-layers``)."""
     from optq.formats.engines import LayerShape
-    from optq.formats.files import natural_key, read_index
+    from optq.formats.files import CheckpointError, natural_key, read_config, read_index
 
     folder: Path = args.folder
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = read_config(folder)
         index = read_index(folder)
+    except CheckpointError as exc:  # names the file and what is wrong with it
+        raise CliError(str(exc)) from None
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read {folder}: {exc}") from None
     qc = config.get("quantization_config")

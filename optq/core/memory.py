@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["releaser", "release_host_memory", "fix_mmap_threshold", "MMAP_THRESHOLD"]
+__all__ = ["releaser", "release_host_memory", "heap_trimmer", "fix_mmap_threshold", "MMAP_THRESHOLD"]
 
 
 def _noop() -> None:
@@ -96,3 +96,10 @@ def release_host_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim()
+
+
+def heap_trimmer() -> Callable[[], None]:
+    """``malloc_trim(0)`` as a function (a no-op off glibc), leaving the mmap threshold and the
+    garbage collector alone: cheap enough for a loader to call after each module it reads, so
+    that the temporaries' heap pages go back before the next module's are taken."""
+    return _malloc_trim() or _noop

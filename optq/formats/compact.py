@@ -19,6 +19,7 @@ A tied table stays one tensor shared by the lookup and the head. A quantized hea
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,20 +36,48 @@ checkpoint that changed enwiki perplexity by +0.004% (int8: +0.24%) and saved 57
 loaded model's 237 (benchmarks/inference.py)."""
 
 
-class _Table(nn.Module):
-    """A [rows, width] table in bfloat16, or int8 with one float32 scale per row."""
+Rows = Callable[[torch.Tensor, int, int], torch.Tensor]
+"""``rows(weight, a, b)``: rows ``a:b`` of a table, in its dtype (``weight[a:b]`` unless a loader
+reads them from its file, the table itself still on the meta device)."""
+_CHUNK = 4 << 20  # bytes of float32 rows converted at a time
 
-    def __init__(self, weight: torch.Tensor, kind: str) -> None:
+
+def _slice(weight: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return weight[a:b]
+
+
+class _Table(nn.Module):
+    """A [rows, width] table in bfloat16, or int8 with one float32 scale per row; converted a
+    block of rows at a time (each row on its own: the same values as converting it whole)."""
+
+    def __init__(self, weight: torch.Tensor, kind: str, rows: Rows | None = None) -> None:
         super().__init__()
-        weight = weight.detach()
-        if kind == "int8":
-            scale = weight.abs().amax(dim=1).float().clamp(min=torch.finfo(torch.float32).tiny) / 127.0
-            codes = torch.round(weight.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            self.register_buffer("weight", codes)
+        read = rows or _slice
+        n, width = weight.shape
+        step = max(1, _CHUNK // max(1, 4 * width))
+        store = torch.int8 if kind == "int8" else torch.bfloat16
+        table = scale = None
+        for a in range(0, n, step):
+            block = read(weight, a, min(n, a + step)).detach()
+            if table is None:
+                table = torch.empty(n, width, dtype=store, device=block.device)
+                scale = torch.empty(n, dtype=torch.float32, device=block.device) if kind == "int8" else None
+            b = a + block.shape[0]
+            if kind == "int8":
+                s = block.abs().amax(dim=1).float().clamp(min=torch.finfo(torch.float32).tiny) / 127.0
+                table[a:b] = torch.round(block.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
+                scale[a:b] = s
+            else:
+                table[a:b] = block.to(torch.bfloat16)
+            del block
+        if table is None:  # no rows
+            table = torch.empty(n, width, dtype=store, device=weight.device)
+            scale = torch.empty(n, dtype=torch.float32, device=weight.device) if kind == "int8" else None
+        self.register_buffer("weight", table)
+        if scale is not None:
             self.register_buffer("scale", scale)
             self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
         else:
-            self.register_buffer("weight", weight.to(torch.bfloat16))
             self.scale = self.scale_bf16 = None
         self.kind = kind
 
@@ -114,10 +143,12 @@ class CompactHead(nn.Module):
         return f"{tuple(self.table.weight.shape)}, storage={self.table.kind}"
 
 
-def compact_embeddings(model: nn.Module, kind: str) -> nn.Module:
+def compact_embeddings(model: nn.Module, kind: str, rows: Rows | None = None) -> nn.Module:
     """Store ``model``'s input embedding and float output head as ``kind`` (see :data:`EMBEDDINGS`).
 
-    In place; returns ``model``. ``"model"`` changes nothing, nor does an input embedding that
+    In place; returns ``model``. ``rows`` (see :data:`Rows`) gives the tables' rows, a block at
+    a time, when they are not in memory (optq.load: never the whole float table at once).
+    ``"model"`` changes nothing, nor does an input embedding that
     is not an ``nn.Embedding`` (a warning says so). A head tied to the embedding shares its
     compact table; an untied float head gets its own.
     """
@@ -131,10 +162,10 @@ def compact_embeddings(model: nn.Module, kind: str) -> nn.Module:
         logger.warning("the input embedding is a %s, not nn.Embedding: kept as it is", type(embed).__name__)
         return model
     dtype = embed.weight.dtype
-    table = _Table(embed.weight, kind)
+    table = _Table(embed.weight, kind, rows)
     tied = isinstance(head, nn.Linear) and head.weight is embed.weight
     model.set_input_embeddings(CompactEmbedding(table, dtype, getattr(embed, "embed_scale", None)))
     if isinstance(head, nn.Linear):
-        head_table = table if tied else _Table(head.weight, kind)
+        head_table = table if tied else _Table(head.weight, kind, rows)
         model.set_output_embeddings(CompactHead(head_table, head.bias))
     return model

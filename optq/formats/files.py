@@ -4,6 +4,7 @@ and reading tensor headers (shapes and dtypes) without loading data. Never unpic
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -18,8 +19,10 @@ __all__ = [
     "parse_size",
     "write_safetensors",
     "read_header",
+    "read_config",
     "read_index",
     "read_tensors",
+    "TensorReader",
     "write_json",
     "write_safetensors_lazily",
     "write_safetensors_file",
@@ -28,6 +31,9 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "natural_key",
 ]
+
+
+log = logging.getLogger("optq.checkpoint")
 
 
 class CheckpointError(ValueError):
@@ -224,7 +230,7 @@ def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtyp
     elif (folder / SINGLE).exists():
         files = [SINGLE]
     else:
-        raise FileNotFoundError(f"{folder} holds neither {SINGLE} nor {INDEX}; optq reads safetensors checkpoints only")
+        files = _shards_without_index(folder)
     out: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
     for fname in files:
         path = folder / fname
@@ -232,6 +238,48 @@ def read_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtyp
             raise CheckpointError(f"{folder / INDEX} names {fname}, which is missing; re-save or re-download it")
         out.update({name: (fname, shape, dtype) for name, (shape, dtype) in read_header(path).items()})
     return out
+
+
+_SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _shards_without_index(folder: Path) -> list[str]:
+    """The shards of a folder whose index is gone: every ``model-i-of-n.safetensors`` of one
+    complete set (each names its tensors in its header, so the index adds nothing the loader
+    needs); a folder with none raises FileNotFoundError, an incomplete set CheckpointError."""
+    found = sorted(p.name for p in folder.glob("model-*-of-*.safetensors") if _SHARD.fullmatch(p.name))
+    if not found:
+        raise FileNotFoundError(f"{folder} holds neither {SINGLE} nor {INDEX}; optq reads safetensors checkpoints only")
+    counts = {int(_SHARD.fullmatch(n).group(2)) for n in found}
+    total = max(counts)
+    want = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1)]
+    if len(counts) > 1 or found != want:
+        missing = [n for n in want if n not in found]
+        raise CheckpointError(
+            f"{folder} has no {INDEX} and its shards do not form one set: found {', '.join(found)}"
+            f"{'; missing ' + ', '.join(missing) if missing else ''}; re-save or re-download the checkpoint"
+        )
+    log.warning("%s has no %s; reading its %d shards %s ... %s", folder, INDEX, total, want[0], want[-1])
+    return want
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict: FileNotFoundError when it is absent, CheckpointError
+    naming the file when it is not a JSON object."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; is it a saved checkpoint folder?")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno}); re-save or re-download it"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object; re-save or re-download it")
+    return config
 
 
 def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -269,3 +317,58 @@ def read_tensors(
                     yield k, tensor
         except SafetensorError as exc:
             raise _corrupt(path, exc) from None
+
+
+class TensorReader:
+    """Tensors of a checkpoint's safetensors files, each read into memory of its own.
+
+    ``safe_open`` maps the file, and every page a tensor read from it touched counts as
+    resident until the file is closed and no view is left; this reads the bytes with plain
+    file reads instead (the headers, checked by :func:`read_index`, give the offsets), so that
+    a loader holds nothing of the files beyond what it copies. ``rows`` reads a block of rows."""
+
+    def __init__(self, folder: Path, index: Mapping[str, tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        if sys.byteorder != "little":
+            raise CheckpointError("safetensors is little-endian; reading on a big-endian machine is not supported")
+        self.folder, self.index = Path(folder), index
+        self._files: dict[str, tuple[Any, int, dict[str, list[int]]]] = {}
+
+    def _file(self, fname: str) -> tuple[Any, int, dict[str, list[int]]]:
+        if fname not in self._files:
+            path = self.folder / fname
+            fh = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
+            try:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+                offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                fh.close()
+                raise _corrupt(path, exc) from None
+            self._files[fname] = (fh, 8 + size, offsets)
+        return self._files[fname]
+
+    def get(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``key`` (rows ``a:b`` of it when ``rows=(a, b)``), in the file's dtype."""
+        fname, shape, dtype = self.index[key]
+        fh, start, offsets = self._file(fname)
+        begin, end = offsets[key]
+        if end - begin != _nbytes(shape, dtype):
+            raise _corrupt(self.folder / fname, ValueError(f"tensor {key}'s offsets do not fit its shape"))
+        if rows is not None:
+            row = _nbytes(shape[1:], dtype)
+            begin, end, shape = begin + rows[0] * row, begin + rows[1] * row, (rows[1] - rows[0], *shape[1:])
+        out = torch.empty(shape, dtype=dtype)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        fh.seek(start + begin)
+        done = 0
+        while done < end - begin:
+            n = fh.readinto(view[done:])
+            if not n:
+                raise _corrupt(self.folder / fname, EOFError(f"the file ends inside tensor {key}"))
+            done += n
+        return out
+
+    def close(self) -> None:
+        for fh, _, _ in self._files.values():
+            fh.close()
+        self._files.clear()

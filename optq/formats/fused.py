@@ -151,12 +151,13 @@ def _no_codes() -> torch.Tensor:
     raise AssertionError("a fused group's codes are always read from its packed planes")
 
 
-def fuse_siblings(model: nn.Module) -> int:
+def fuse_siblings(model: nn.Module, recurse: bool = True) -> int:
     """Fuse every group of sibling QuantLinears whose fast layouts allow it (see the module's
     description); returns the number of groups. Their layouts must be built first
-    (:func:`optq.formats.qlinear.build_fast_paths`)."""
+    (:func:`optq.formats.qlinear.build_fast_paths`). ``recurse=False``: only the groups whose
+    members are ``model``'s own children (optq.load fuses each parent once its layers are read)."""
     groups = 0
-    for parent in model.modules():
+    for parent in model.modules() if recurse else [model]:
         for names in SIBLINGS:
             members = [getattr(parent, n, None) for n in names]
             if not all(isinstance(m, QuantLinear) for m in members):
