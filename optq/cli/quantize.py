@@ -330,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
     from optq.pipeline.distributed.ranks import init_from_env
     from optq.pipeline.stream.quantize import quantize_pretrained
+    from optq.pipeline.stream.records import check_resume
 
     t0 = time.perf_counter()
     if args.dry_run:
@@ -341,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
     dist, args.device = init_from_env(args.device)
     settings = settings_from_args(args)
     folder = _model_folder(args.model)
+    provenance = {"model": args.model, "calib": args.calib}
+    check_resume(out, config, settings, provenance, resume=args.resume, overwrite=args.overwrite)  # before tokenising
     _check_seqlen(args, _hf_config(folder), check_seqlen, max_positions)
     tokens = _calibration_tokens(args.calib, folder, args)
     releaser(args.device)  # the host heap's policy from the start, the capture included
@@ -354,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
         progress=not args.no_progress,
-        provenance={"model": args.model, "calib": args.calib},
+        provenance=provenance,
     )
     if dist.rank != 0:  # rank 0 speaks for the run
         return 0
