@@ -160,8 +160,8 @@ def register(subparsers: Any) -> None:
         "--max-hessian-memory",
         default=None,
         metavar="SIZE",
-        help="memory for one stage of experts' Hessians, e.g. 8GB; more experts are "
-        "collected in chunks, one block forward each (default: a quarter of RAM)",
+        help="memory for one stage of experts' Hessians and for --target-bits' streams, e.g. 8GB; more are "
+        "collected in chunks, one pass each, to the same weights (default: a quarter of RAM)",
     )
     c.add_argument(
         "--hessian-dtype",

@@ -7,9 +7,10 @@ Below both the journal (``optq.pipeline.stream.journal``) and its file check
 rest of the file: a damaged file, or one edited by hand, is refused rather than trusted.
 
 The manifest records only what changes the bytes a run writes. Memory budgets
-(``max_hessian_memory``), the device, the thread count and where activations live decide how
-the work is scheduled, never which weights come out (:data:`SCHEDULING`), so a resume may change
-them: on another machine, or with another ``--max-hessian-memory``. Its ``config`` and
+(``max_hessian_memory``), the device and where activations live decide how the work is
+scheduled, never which weights come out, so a resume may change them: on another machine, or
+with another ``--max-hessian-memory`` (:data:`SCHEDULING`; the thread count too, as before:
+the same bytes are promised at the same thread count, which is the user's to keep). Its ``config`` and
 ``settings`` parts depend on the arguments alone, so :func:`check_resume` compares them with a
 journal's before the model is loaded, the calibration tokenised or anything hashed: a resume
 with other settings is refused in well under a second.
