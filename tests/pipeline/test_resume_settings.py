@@ -154,3 +154,28 @@ def test_the_manifest_records_no_memory_budget(reference, kit, tmp_path, monkeyp
     for part in ("options", "settings"):
         assert not set(records.SCHEDULING) & set(manifest[part]), part
     assert manifest["settings"]["method"] == "gptaq" and manifest["config"]["bits"] == 3
+
+
+def test_the_journal_and_its_file_check_do_not_import_each_other_at_any_depth():
+    # Issue 32: journal.py imported verify.py inside a function, verify.py imported journal.py.
+    # Every import (top level, in functions, under TYPE_CHECKING) now goes down: journal ->
+    # verify -> records.
+    import ast
+    from pathlib import Path
+
+    folder = Path(records.__file__).parent
+
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        return {m.removeprefix("optq.pipeline.stream.") for m in found if m.startswith("optq.pipeline.stream")}
+
+    assert imported("records") == set()
+    assert imported("verify") <= {"records", *(f"records.{n}" for n in dir(records))}
+    assert "verify" in imported("journal") and not {"journal", "quantize", "sink"} & imported("verify")
