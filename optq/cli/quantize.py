@@ -161,8 +161,8 @@ def register(subparsers: Any) -> None:
         "--max-hessian-memory",
         default=None,
         metavar="SIZE",
-        help="memory for one stage of experts' Hessians, e.g. 8GB; more experts are "
-        "collected in chunks, one block forward each (default: a quarter of RAM)",
+        help="memory for one stage of experts' Hessians and for --target-bits' streams, e.g. 8GB; more are "
+        "collected in chunks, one pass each, to the same weights (default: a quarter of RAM)",
     )
     c.add_argument(
         "--hessian-dtype",
@@ -333,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
     from optq.pipeline.distributed.ranks import init_from_env
     from optq.pipeline.stream.quantize import quantize_pretrained
+    from optq.pipeline.stream.records import check_resume
 
     t0 = time.perf_counter()
     if args.dry_run:
@@ -344,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
     dist, args.device = init_from_env(args.device)
     settings = settings_from_args(args)
     folder = _model_folder(args.model)
+    provenance = {"model": args.model, "calib": args.calib}
+    check_resume(out, config, settings, provenance, resume=args.resume, overwrite=args.overwrite)  # before tokenising
     _check_seqlen(args, _hf_config(folder), check_seqlen, max_positions)
     tokens = _calibration_tokens(args.calib, folder, args)
     if torch.device(args.device).type == "cpu":  # the CLI owns the process: fixed from the start
@@ -359,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume,
             overwrite=args.overwrite,
             progress=not args.no_progress,
-            provenance={"model": args.model, "calib": args.calib},
+            provenance=provenance,
         )
     except Exception as exc:
         raise_with_leftover(exc, out)  # when OUT.partial/ stays, the error says so

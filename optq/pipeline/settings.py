@@ -58,7 +58,8 @@ HESSIAN_DTYPES = ("float32", "float64")
 
 
 def default_hessian_budget() -> int:
-    """A quarter of this machine's physical memory, in bytes."""
+    """A quarter of this machine's physical memory, in bytes: how work is chunked, never what
+    it computes (so it may depend on the machine)."""
     try:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 4
     except (ValueError, OSError, AttributeError):
@@ -194,8 +195,10 @@ class RunSettings:
         moe_min_tokens: with "routed", an expert routed fewer tokens is starved (None: the
             layer's input width).
         moe_weighting: "none", or "routing" (each routed token weighs its squared routing weight).
-        max_hessian_memory: bytes (or "8GB") for one stage of experts' Hessians; more are
-            collected in chunks, one forward each (None: a quarter of the RAM).
+        max_hessian_memory: bytes (or "8GB") for one stage of experts' Hessians, and for the
+            streams and candidates of ``target_bits``; more are collected in chunks, one forward
+            or pass each, to the same weights (None: a quarter of the RAM). It schedules the
+            work only: the journal does not record it, and a resume may change it.
     Output (streaming runs):
         format: "gptq", "gptq_v2" or "compressed-tensors".
         max_shard_size: the largest output file, bytes or e.g. "2GB".

@@ -196,15 +196,6 @@ def test_each_blocks_kl_is_that_block_alone_quantized(one_thread):
     assert len({round(k, 6) for k in g["block_kl"]}) == 4 and min(g["block_kl"]) > 0
 
 
-def test_block_gains_are_skipped_past_the_memory_budget(one_thread):
-    # One stream per block would outgrow max_hessian_memory: no gains, no "+blocks" knapsacks.
-    a = _quantize(_model(), 4.3, max_hessian_memory=1 << 12).allocation
-    assert a["gains"]["block_kl"] == [None] * 4 and "max_hessian_memory" in a["gains"]["skipped"]
-    assert not [k for k in a["candidates"] if k.endswith("+blocks")]
-    full = _quantize(_model(), 4.3).allocation
-    assert full["gains"]["skipped"] is None and [k for k in full["candidates"] if k.endswith("+blocks")]
-
-
 def test_layers_get_the_allocated_settings_and_reasons(one_thread):
     report = _quantize(_model(), 4.3)
     a = report.allocation

@@ -101,13 +101,14 @@ def test_no_recheck_where_the_proxy_quantizes_as_the_run_does(one_thread, kw):
     assert a["chosen"] == min(checked, key=checked.get)
 
 
-def test_off_or_past_the_memory_budget_the_proxy_decides(one_thread):
+def test_off_the_proxy_decides(one_thread):
+    # (Past the memory budget the same candidates are rechecked, in more passes:
+    # test_allocation_budget.py.)
     off = _run(_model(), _calib(), target_bits=4.3, target_check=0).allocation
     assert off["check"] == {"wanted": 0, "candidates": 0, "skipped": None, "seconds": 0.0}
     assert not [k for k, r in off["candidates"].items() if "run_kl" in r]
-    tight = _run(_model(), _calib(), target_bits=4.3, max_hessian_memory=1 << 12).allocation
-    assert tight["check"]["candidates"] == 0 and "max_hessian_memory" in tight["check"]["skipped"]
-    assert tight["chosen"] == off["chosen"]
+    checked = {k: r["kl"] for k, r in off["candidates"].items() if "kl" in r}
+    assert off["chosen"] == min(checked, key=checked.get)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])

@@ -14,6 +14,7 @@ from pipeline.resume_helpers import LAYERS, OUT_SHARD, SOLVES, Kill, after_write
 from safetensors.torch import load_file, save_file
 
 from optq.pipeline.stream.journal import JournalError
+from optq.pipeline.stream.records import sealed, unsealed
 from optq.pipeline.stream.source import SafetensorsSource
 
 pytest.importorskip("transformers")
@@ -54,7 +55,7 @@ def _change_config(src: Path) -> None:
         ({"calib": True}, {"calibration"}),
         ({"source": _change_config}, {"source"}),
         ({"source": _retype_one_tensor}, {"source"}),
-        ({"shard": True}, {"options"}),
+        ({"shard": True}, {"settings"}),
     ],
     ids=["bits", "calibration-tokens", "source-config.json", "source-tensor-dtype", "max-shard-size"],
 )
@@ -83,7 +84,7 @@ def test_resuming_another_runs_journal_is_refused_naming_what_differs(
     parts = re.sub(r" \([^()]*\)", "", found.group(1))  # "options (max_shard_size 1 then, 2 now)"
     assert set(parts.split(", ")) == differ, str(err.value)
     assert "pass --overwrite" in str(err.value)
-    detail = {"config": "bits 3 then, 4 now", "options": "max_shard_size"}
+    detail = {"config": "bits 3 then, 4 now", "settings": "max_shard_size"}
     assert all(detail[p] in str(err.value) for p in differ if p in detail), str(err.value)
     # The refusal leaves the journal as it was: the original run still resumes, to the same bytes.
     partial = tmp_path / "out.partial"
@@ -150,9 +151,9 @@ def test_a_refused_resume_names_the_world_size_and_the_right_flag(reference, kit
     out = tmp_path / "out"
     _crashed_run(kit, src, out, monkeypatch)
     path = tmp_path / "out.partial" / "manifest.json"
-    manifest = json.loads(path.read_text())
+    manifest = unsealed(path.read_text())
     manifest["options"]["world_size"] = 2
-    path.write_text(json.dumps(manifest))
+    path.write_text(sealed(manifest))  # as such a run writes it
     with pytest.raises(JournalError, match=r"world_size 2 then, 1 now.*pass --overwrite to start again"):
         kit.stream(src, out, max_shard_size=OUT_SHARD, resume=True)
     with pytest.raises(JournalError, match=r"drop --resume to start again") as err:

@@ -14,7 +14,7 @@ stored bits per quantized weight (codes, scales, zero points and g_idx counted, 
    group), on the first sensitivity batch carried to the end once per block. Layer objectives
    measure errors at each layer's output; the gains say what errors cost where they are made
    (SmolLM2's first and last blocks cost most). The streams take one batch per block; past
-   ``max_hessian_memory`` the gains are skipped, and the report says so.
+   ``max_hessian_memory`` they are measured in several passes over the model, to the same gains.
 3. Candidate allocations: the exact-size knapsack (``knapsack.solve``) under three error
    weightings (the objective; the objective relative to ½ tr(W H Wᵀ); their geometric mean),
    each alone and with every layer's weighted error scaled so that its block sums to the block's
@@ -150,9 +150,8 @@ def plan(
     logits = head_logits(model, run.blocks_name)
     base = _base(units, unit_options, target)
     gains = Gains(_streams(hidden, calls, ids, fit[:1]), base, logits)  # not the KL check's windows
-    held_bytes = len(run.blocks) * sum(h.numel() * h.element_size() for h in gains.streams.hidden)
-    if held_bytes > s.hessian_budget:  # one stream per block: skipped rather than grow with depth
-        gains = None
+    stream = sum(h.numel() * h.element_size() for h in gains.streams.hidden)
+    gains.per_pass = max(1, s.hessian_budget // stream) if stream else None  # passes, not results
     errors, energy, block_kl = measure(run, source, _streams(hidden, calls, ids, fit), options, solve, gains)
     factors = {}  # per weighting; none without block gains
     if block_kl:
@@ -343,7 +342,7 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
         "windows": {"sensitivity_batches": fit, "kl_batches": held, "kl_windows": windows},
         "gains": {  # each block's KL with only that block quantized, every layer at its base setting
             "batches": fit[:1] if block_kl else [],
-            "skipped": None if block_kl else f"{len(run.blocks)} streams would exceed max_hessian_memory",
+            "skipped": None if block_kl else "no blocks",
             "base": {n: list(base[n]) for n in names},
             "block_kl": [block_kl.get(i) for i in range(len(run.blocks))],
         },

@@ -117,6 +117,9 @@ class Gains:
     streams: Streams
     base: Mapping[str, Setting]
     logits: Callable[[torch.Tensor], torch.Tensor]
+    # Block streams held at once (None: every block's, in one pass): a memory budget decides how
+    # many passes measure makes, never the gains they measure.
+    per_pass: int | None = None
 
 
 def block_targets(run: Run, i: int, block: nn.Module) -> dict[str, nn.Module]:
@@ -162,7 +165,25 @@ def measure(
     that block quantized, every layer at its ``base`` setting) per token on ``gains.streams``,
     by block index. That is one more stream per block carried to the end beside the float one
     (``len(blocks)`` streams of the gains windows held at the last block; block forwards grow
-    with the square of the depth, on those windows only)."""
+    with the square of the depth, on those windows only). With ``gains.per_pass`` streams at
+    most are held: the blocks' streams are started that many at a time, each later pass through
+    the whole model again on the same windows, each layer quantized at its base setting only, to
+    the same values."""
+    n, first = len(run.blocks), (list(streams.hidden), streams.calls, streams.ids)
+    step = (gains.per_pass if gains is not None else None) or n
+    errors, energy, kl = _pass(run, source, streams, options, (solve, gains, range(min(step, n))))
+    if gains is not None:
+        only_base = {name: [setting] for name, setting in gains.base.items()}
+        for a in range(step, n, step):
+            again = Streams(list(first[0]), first[1], first[2])
+            kl.update(_pass(run, source, again, only_base, (solve, gains, range(a, min(a + step, n))))[2])
+    return errors, energy, kl
+
+
+def _pass(run: Run, source, streams: Streams, options, how):
+    """One pass of :func:`measure` (``how``: the solve, the gains and the blocks whose streams
+    start in this pass)."""
+    solve, gains, starts = how
     errors: dict[str, dict[Setting, float]] = {}
     energy: dict[str, float] = {}
     fp = list(gains.streams.hidden) if gains is not None else []
@@ -188,7 +209,7 @@ def measure(
                             if gains is not None and gains.base[n] == s:
                                 base[n] = q
                 if gains is not None:
-                    fp = _alone(block, linears, base, (fp, gains.streams.calls[i]), alone, i)
+                    fp = _alone(block, linears, base, (fp, gains.streams.calls[i]), alone, i if i in starts else None)
             finally:
                 source.release(i, block)
             streams.hidden = outs
@@ -196,13 +217,16 @@ def measure(
     return errors, energy, kl
 
 
-def _alone(block, linears, base, inputs, alone: dict[int, list[torch.Tensor]], i: int) -> list[torch.Tensor]:
+def _alone(block, linears, base, inputs, alone: dict[int, list[torch.Tensor]], i: int | None) -> list[torch.Tensor]:
     """Carry every earlier block's stream through ``block`` in float, start block ``i``'s own
-    stream (``block`` at ``base`` weights on the float input) and return the float output."""
+    stream (``block`` at ``base`` weights on the float input; None: none) and return the float
+    output."""
     fp, calls = inputs
     for j, hidden in alone.items():
         alone[j] = [run_block(block, h, c) for h, c in zip(hidden, calls)]
     out = [run_block(block, h, c) for h, c in zip(fp, calls)]
+    if i is None:
+        return out
     with swapped(linears) as put:
         for n in linears:
             put(n, base[n])

@@ -15,8 +15,8 @@ float chain). The held-out windows then run through each candidate's quantized b
 candidate scores mean KL(float || candidate) per token at the head, as the proxy does. Every
 block's weights are restored after each candidate. Cost: about one run of the method on the
 sensitivity windows per candidate; memory: one chain of the sensitivity and the held-out windows
-per candidate, beside the float chains (the count is lowered to what ``max_hessian_memory``
-holds, and the report says so).
+per candidate, beside the float chains: as many candidates at a time as ``max_hessian_memory``
+holds (at least one), each further group in one more pass over the model, to the same KL.
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ def _bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def affordable(run: Run, fit: Streams, held: Streams, wanted: int) -> int:
-    """How many candidates' chains (sensitivity and held-out windows each) fit ``max_hessian_memory``."""
+    """How many candidates' chains (sensitivity and held-out windows each) fit ``max_hessian_memory``
+    (at least one): the candidates rechecked in each pass over the model."""
     per = _bytes(fit.hidden) + _bytes(held.hidden)
-    return min(wanted, run.settings.hessian_budget // per) if per else wanted
+    return max(1, min(wanted, run.settings.hessian_budget // per)) if per else wanted
 
 
 def recheck(
@@ -110,12 +111,10 @@ def choose(run: Run, source: Any, streams: tuple[Streams, Streams], ranked, logi
     (``recheck``): the report's ``check`` and their KL by name (empty: the proxy decides)."""
     s, need = run.settings, needed(run)
     wanted = s.target_check if need else 0
-    count = affordable(run, *streams, wanted) if wanted else 0
+    count = wanted
     skipped = None
     if not need:
         skipped = f"not needed: the proxy quantizes as the run does ({s.method}, propagate={s.propagate})"
-    elif count < wanted:
-        skipped = f"{wanted - count} of {wanted} left out: their chains would exceed max_hessian_memory"
     check = {"wanted": wanted, "candidates": count, "skipped": skipped, "seconds": 0.0}
     if count == 0:
         return check, {}
@@ -124,6 +123,8 @@ def choose(run: Run, source: Any, streams: tuple[Streams, Streams], ranked, logi
     names, schemes = sorted(run.targets), {}
     for key, allocation in ranked[:count]:
         schemes[key] = resolve(run.linears, names, run.config, overrides(allocation), serve=s.serve, fmt=s.format)
-    found = recheck(run, source, streams, schemes, logits)
+    step, found = affordable(run, *streams, len(schemes)), {}  # memory decides the passes, not the result
+    for a in range(0, len(schemes), step):
+        found.update(recheck(run, source, streams, dict(list(schemes.items())[a : a + step]), logits))
     check["seconds"] = time.perf_counter() - t0
     return check, found

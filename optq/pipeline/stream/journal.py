@@ -2,8 +2,10 @@
 
 Layout of ``OUT.partial/`` while a run is going on::
 
-    manifest.json            what the run is: hashes of the source, calibration and settings, and
-                             each source shard's size, time and header (pipeline/stream/fingerprint)
+    manifest.json            what the run is: hashes of the source and calibration, the settings
+                             that change the output (not memory budgets: records.SCHEDULING), each
+                             source shard's size, time and header (pipeline/stream/fingerprint),
+                             and a checksum over all of it (pipeline/stream/records)
     state.json               how far it got: blocks done, their report rows, the activations file,
                              the sha256 of every block and activations file and of every source
                              tensor read, and a checksum over all of it
@@ -23,7 +25,6 @@ journal is removed.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -38,65 +39,30 @@ from safetensors.torch import load_file, save_file
 
 from optq.formats.atomic import atomic_write, move_into_place
 from optq.pipeline.distributed.ranks import Dist
+from optq.pipeline.stream.records import (
+    BLOCKS,
+    MANIFEST,
+    SCHEDULING,
+    STATE,
+    JournalError,
+    _json,
+    file_sha256,
+    partial_path,
+    read_manifest,
+    refusal,
+    sealed,
+    tensor_digest,
+    unsealed,
+)
+from optq.pipeline.stream.verify import check_files
 
 __all__ = ["Journal", "JournalError", "partial_path", "tensor_digest", "file_sha256"]
 
 log = logging.getLogger("optq.pipeline")
 
-MANIFEST = "manifest.json"
-STATE = "state.json"
-BLOCKS = "blocks"
 FINAL = "final"  # the checkpoint being assembled, renamed to OUT when complete
 OFFLOAD = "activations.mmap"  # --offload-activations: the live activations, memory-mapped
-CHECKSUM = "checksum"  # state.json's field: sha256 of the rest of it, as _json writes it
 FP = "fp."  # the float chain's keys in an activations file (GPTAQ)
-
-
-class JournalError(ValueError):
-    """The partial output cannot be used: it belongs to another run, or nothing can be written."""
-
-
-def partial_path(out: str | Path) -> Path:
-    """Where a streaming run writes before its output is complete."""
-    out = Path(out)
-    return out.parent / f"{out.name}.partial"
-
-
-def tensor_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 over the dtypes, shapes and bytes of ``tensors`` (the calibration samples)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().contiguous().cpu()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, read in chunks."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _sealed(state: dict[str, Any]) -> str:
-    body = {k: v for k, v in state.items() if k != CHECKSUM}
-    return _json({**body, CHECKSUM: hashlib.sha256(_json(body).encode()).hexdigest()})
-
-
-def _unsealed(text: str) -> dict[str, Any]:
-    """The state in ``text``; ValueError when its checksum is missing or wrong (a damaged file,
-    or one edited by hand: either way its word on what is finished cannot be trusted)."""
-    state = json.loads(text)
-    if not isinstance(state, dict):
-        raise ValueError("it is not a JSON object")
-    body = {k: v for k, v in state.items() if k != CHECKSUM}
-    if state.get(CHECKSUM) != hashlib.sha256(_json(body).encode()).hexdigest():
-        raise ValueError("its checksum does not match its content")
-    return body
 
 
 def fresh_state() -> dict[str, Any]:
@@ -122,8 +88,9 @@ def _writing(what: Path) -> Iterator[None]:
 class Journal:
     """Opens (or resumes) ``OUT.partial/`` for a run described by ``manifest``.
 
-    ``manifest`` maps a part of the run ("source", "calibration", "config", "options") to a
-    JSON-able value or digest; resuming a journal whose manifest differs names the parts.
+    ``manifest`` maps a part of the run ("source", "calibration", "config", "settings",
+    "options") to a JSON-able value or digest; resuming a journal whose manifest differs names the
+    parts. The options that only schedule the work (``records.SCHEDULING``) are left out.
     """
 
     def __init__(
@@ -131,7 +98,10 @@ class Journal:
     ) -> None:
         self.out = Path(out)
         self.folder = partial_path(self.out)
-        self.manifest = json.loads(_json(manifest))  # what it reads back as, for comparisons
+        # What it reads back as, for comparisons; only what changes the output (records.SCHEDULING).
+        self.manifest = json.loads(_json(manifest))
+        if isinstance(self.manifest.get("options"), dict):
+            self.manifest["options"] = {k: v for k, v in self.manifest["options"].items() if k not in SCHEDULING}
         self.overwrite = overwrite
         self.state: dict[str, Any] = fresh_state()
         # The source shards' fingerprints the journal's blocks were computed from (a resume
@@ -170,40 +140,28 @@ class Journal:
             log.info("%s does not exist: nothing to resume, starting from the first block", self.folder)
         with _writing(self.folder):
             (self.folder / BLOCKS).mkdir(parents=True)
-            atomic_write(self.folder / MANIFEST, _json(self.manifest))
-            atomic_write(self.folder / STATE, _sealed(self.state))
+            atomic_write(self.folder / MANIFEST, sealed(self.manifest))
+            atomic_write(self.folder / STATE, sealed(self.state))
 
     def _open_existing(self) -> None:
-        from optq.pipeline.stream.verify import check_files
-
+        found = read_manifest(self.folder)
         try:
-            found = json.loads((self.folder / MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise JournalError(f"{self.folder} is not a readable optq journal ({exc}); use --overwrite") from None
-        try:
-            state = _unsealed((self.folder / STATE).read_text(encoding="utf-8"))
+            state = unsealed((self.folder / STATE).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise JournalError(
                 f"cannot resume {self.folder}: {STATE} is missing or damaged ({exc}), so what is finished is "
                 f"unknown; rerun with --overwrite (or delete {self.folder}) to start again"
             ) from None
-        # The shards' fingerprints hold modification times, compared by their own rule
-        # (fingerprint.check_shards), not for equality.
-        differ = sorted(k for k in {*found, *self.manifest} if k != "shards" and found.get(k) != self.manifest.get(k))
-        if differ:
-            # --overwrite is already given with --resume: starting again needs --resume dropped.
-            again = "drop --resume to start again" if self.overwrite else "pass --overwrite to start again"
-            raise JournalError(
-                f"cannot resume {self.folder}: the {_differences(found, self.manifest, differ)} differ from the "
-                f"interrupted run's; rerun with the same model, calibration and settings, or {again}"
-            )
+        error = refusal(self.folder, found, self.manifest, self.overwrite, every=True)
+        if error is not None:
+            raise error
         self.state = state
         self.shards = found.get("shards") or {}
         check_files(self)
         if self.dist.rank == 0 and self.done == 0:  # nothing depends on the source yet: record it as it is
             with _writing(self.folder):
                 (self.folder / BLOCKS).mkdir(exist_ok=True)
-                atomic_write(self.folder / MANIFEST, _json(self.manifest))
+                atomic_write(self.folder / MANIFEST, sealed(self.manifest))
             self.shards = self.manifest.get("shards", {})
         log.info("resuming %s after %d finished blocks", self.folder, self.done)
 
@@ -216,7 +174,7 @@ class Journal:
             for path in self.folder.glob("activations-*"):
                 path.unlink(missing_ok=True)
             self.state = fresh_state()
-            atomic_write(self.folder / STATE, _sealed(self.state))
+            atomic_write(self.folder / STATE, sealed(self.state))
 
     def writing(self, what: Path) -> Any:
         """A context in which a failed write (full disk, lost permission) becomes a JournalError
@@ -285,7 +243,7 @@ class Journal:
         }
         if self.dist.rank == 0:
             with _writing(self.folder / STATE):
-                atomic_write(self.folder / STATE, _sealed(self.state))
+                atomic_write(self.folder / STATE, sealed(self.state))
         self.dist.barrier()
         if old and old != acts:
             (self.folder / old).unlink(missing_ok=True)
@@ -365,18 +323,3 @@ class Journal:
             shutil.rmtree(self.final, ignore_errors=True)
         shutil.rmtree(self.folder, ignore_errors=True)
         return self.out
-
-
-def _differences(found: dict[str, Any], wanted: dict[str, Any], parts: list[str]) -> str:
-    """The manifest parts that differ; for settings, which ones, then and now (e.g. the world size
-    of a torchrun journal resumed by one process)."""
-    out = []
-    for part in parts:
-        then, now = found.get(part), wanted.get(part)
-        if not (isinstance(then, dict) and isinstance(now, dict)):
-            out.append(part)
-            continue
-        keys = sorted(k for k in {*then, *now} if then.get(k) != now.get(k))
-        shown = "; ".join(f"{k} {then.get(k)!r:.40} then, {now.get(k)!r:.40} now" for k in keys[:4])
-        out.append(f"{part} ({shown}{'; ...' if len(keys) > 4 else ''})")
-    return ", ".join(out)

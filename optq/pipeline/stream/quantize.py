@@ -46,6 +46,7 @@ from optq.pipeline.settings import FORMATS, RunSettings, dtype_name
 from optq.pipeline.stream.assemble import assemble, local_folder
 from optq.pipeline.stream.fingerprint import check_reads, check_shards, shard_prints
 from optq.pipeline.stream.journal import Journal
+from optq.pipeline.stream.records import check_resume, output_settings
 from optq.pipeline.stream.sink import JournalSink, StreamedBlocks, restore
 from optq.pipeline.stream.source import SafetensorsSource, SourceError
 
@@ -87,6 +88,7 @@ def quantize_pretrained(
     freed as it finishes).
     """
     settings = RunSettings.of(settings, **options)
+    check_resume(out, config, settings, provenance, resume=resume, overwrite=overwrite)  # before any loading
     quantization_config(Scheme.of_config(config), settings.format)  # what the format cannot hold, up front
     start = time.perf_counter()
     src = SafetensorsSource(local_folder(source))
@@ -110,6 +112,7 @@ def quantize_pretrained(
         "source": _source_digest(src),
         "calibration": run.calibration_digest,
         "config": config.to_dict(),
+        "settings": output_settings(settings, provenance),
         # What changes the bytes: not where the run computes, nor where its activations live.
         "options": {k: v for k, v in options_.items() if k not in ("num_threads", "device", "offload_activations")},
         "versions": versions(),

@@ -20,8 +20,9 @@ Each case is one line (a JournalError, which the CLI prints as ``optq: error: ..
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from optq.pipeline.stream.journal import BLOCKS, Journal, JournalError, file_sha256
+from optq.pipeline.stream.records import BLOCKS, JournalError, file_sha256
 
 __all__ = ["check_files"]
 
@@ -37,9 +38,10 @@ def _damage(path: Path, want: str | None) -> str | None:
     return None
 
 
-def check_files(journal: Journal) -> None:
-    """Check every file ``journal``'s state relies on; reset the journal to block 0 when block 0
-    is damaged, raise a one-line JournalError saying what to do for any other damage."""
+def check_files(journal: Any) -> None:
+    """Check every file ``journal``'s state relies on (a ``journal.Journal``, which imports this
+    module); reset the journal to block 0 when block 0 is damaged, raise a one-line JournalError
+    saying what to do for any other damage."""
     folder, done = journal.folder, journal.done
     start_again = f"rerun with --overwrite (or delete {folder}) to start again"
     if journal.dist.rank == 0:
