@@ -35,9 +35,10 @@ from optq.formats.atomic import atomic_folder
 from optq.formats.compact import EMBEDDINGS, compact_embeddings
 from optq.formats.experts import checkpoint_namer, unfuse_experts
 from optq.formats.files import read_index, read_tensors, write_json, write_safetensors
+from optq.formats.fused import build_fast_paths
 from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantized_layers
 from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, packed_layout, quantization_config
-from optq.formats.qlinear import QuantLinear, build_fast_paths
+from optq.formats.qlinear import QuantLinear
 from optq.formats.schemes import LayerSetting, layer_schemes
 
 if TYPE_CHECKING:
