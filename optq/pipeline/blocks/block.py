@@ -28,6 +28,7 @@ from optq.core import memory
 from optq.formats.experts import ExpertLinears
 from optq.formats.linears import find_linears
 from optq.pipeline.blocks import capture
+from optq.pipeline.blocks.groups import solve_units
 from optq.pipeline.blocks.memo import Memo
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.blocks.stepper import PausedForwards
@@ -157,7 +158,7 @@ def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset
         )
     hess.all_reduce(work.run.dist)
     work.release()
-    work.solve(k, [SolveUnit(subset, hess, work.run.settings.method, t0)])
+    solve_units(work, [SolveUnit(subset, hess, work.run.settings.method, t0)], k)
     work.release()  # the solver's workspace, before the next pass allocates
 
 
@@ -170,7 +171,7 @@ def _paused(work: BlockWork, schedule: capture.Schedule, original: list[torch.Te
             hess = work.new_hessian(subset)
             with naming_inputs(work.prefix, subset):
                 paused.advance(k, hess)
-            work.solve(k, [SolveUnit(subset, hess, work.run.settings.method, t0)])
+            solve_units(work, [SolveUnit(subset, hess, work.run.settings.method, t0)], k)
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
         # computed from partly quantized layers, are not what propagates.
         outputs = original if original is not None else paused.finish()
