@@ -25,11 +25,12 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from optq.core.solver import Solution
 from optq.formats import compressed_tensors as checkpoint_ct
 from optq.formats.atomic import atomic_folder
 from optq.formats.compact import EMBEDDINGS, compact_embeddings
@@ -40,9 +41,6 @@ from optq.formats.gptq_config import CheckpointError, check_gptq_config, quantiz
 from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, packed_layout, quantization_config
 from optq.formats.qlinear import QuantLinear
 from optq.formats.schemes import LayerSetting, layer_schemes
-
-if TYPE_CHECKING:
-    from optq.core.solver import Solution
 
 __all__ = ["save", "load", "CheckpointError", "quantized_layers", "layer_namer"]
 

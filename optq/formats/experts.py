@@ -183,7 +183,7 @@ class ExpertLinears(nn.ModuleList):
     ``act(gate) * up``, or for GPT-OSS the model's clamped SwiGLU on the fused columns.
 
     The module holds weights only: the pipeline's Hessian passes swap in a forward of their own
-    (``optq.pipeline.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
+    (``optq.pipeline.blocks.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
     """
 
     def __init__(

@@ -6,7 +6,7 @@ forward uses them), then takes one of two paths:
 - replayed (the default, ``strategy="replay"``): per group, the block is run again from its
   inputs up to the group (children already quantized are replayed from a memo), the group's
   Hessian is filled, solved and written back (:func:`_dense_group`); a mixture-of-experts stage
-  fills many experts' Hessians per pass (``optq.pipeline.moe.block``);
+  fills many experts' Hessians per pass (``optq.pipeline.blocks.moe.block``);
 - paused (``strategy="pause"``): every batch's forward pauses at each group's input while the
   group is solved, then resumes (:func:`_paused`).
 
@@ -30,13 +30,14 @@ from optq.formats.linears import find_linears
 from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.groups import solve_units
 from optq.pipeline.blocks.memo import Memo
+from optq.pipeline.blocks.moe import block as moe_block
+from optq.pipeline.blocks.moe.stages import Stage, plan_stages
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.blocks.stepper import PausedForwards
 from optq.pipeline.blocks.twin import FloatTwin, pairing
 from optq.pipeline.blocks.work import BlockWork, SolveUnit, naming_inputs
+from optq.pipeline.discovery import expert_parts
 from optq.pipeline.distributed.ranks import Dist
-from optq.pipeline.moe import block as moe_block
-from optq.pipeline.moe.stages import Stage, expert_parts, plan_stages
 from optq.pipeline.report import Report
 
 __all__ = ["quantize_block"]

@@ -61,8 +61,8 @@ from optq.formats.files import safetensors_header, split_shards
 from optq.formats.layout import Scheme, packed_layout, quantization_config
 from optq.formats.linears import find_linears, get_weight
 from optq.pipeline.blocks.calibration import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
-from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
-from optq.pipeline.moe.stages import expert_parts, hessian_bytes, siblings
+from optq.pipeline.blocks.moe.stages import hessian_bytes
+from optq.pipeline.discovery import drop_routers, expert_parts, find_blocks, select_names, siblings
 from optq.pipeline.planning.runplan import RUNTIME_BYTES, RunPlan, machine_speed
 from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings, dtype_name

@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from optq.formats.atomic import atomic_write, move_into_place
 from optq.pipeline.distributed.ranks import Dist
 
-__all__ = ["Journal", "JournalError", "partial_path", "tensor_digest", "file_sha256"]
+__all__ = ["Journal", "JournalError", "partial_path", "file_sha256"]
 
 log = logging.getLogger("optq.pipeline")
 
@@ -60,16 +60,6 @@ def partial_path(out: str | Path) -> Path:
     """Where a streaming run writes before its output is complete."""
     out = Path(out)
     return out.parent / f"{out.name}.partial"
-
-
-def tensor_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 over the dtypes, shapes and bytes of ``tensors`` (the calibration samples)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().contiguous().cpu()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _json(obj: Any) -> str:

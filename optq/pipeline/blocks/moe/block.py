@@ -1,6 +1,6 @@
 """The expert stages of a block: collect their Hessians, solve every expert, keep the books.
 
-A stage's experts are collected together (:func:`optq.pipeline.moe.collect.collect_stage`),
+A stage's experts are collected together (:func:`optq.pipeline.blocks.moe.collect.collect_stage`),
 then solved as one batch of units (spread over ranks when there are several). Each expert's
 report row says where its Hessian came from; fallbacks are listed among the run's fallbacks, and
 ``report.moe[block]`` counts the stages, chunks and forwards beyond the dense schedule.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from optq.pipeline.blocks.groups import solve_units
 from optq.pipeline.blocks.memo import Memo
+from optq.pipeline.blocks.moe.collect import NoTokens, collect_stage
+from optq.pipeline.blocks.moe.stages import Stage
 from optq.pipeline.blocks.work import BlockWork, SolveUnit, in_features, naming_inputs
-from optq.pipeline.moe.collect import NoTokens, collect_stage
-from optq.pipeline.moe.stages import Stage
 from optq.pipeline.report import Report
 
 __all__ = ["ExpertTally", "quantize_stage", "round_starved", "NO_TOKENS"]
