@@ -151,7 +151,8 @@ def before_blocks(
     if run.settings.target_bits is not None and not report.allocation:
         if load_head is not None:
             load_head()
-        apply(run, plan(run, model, source, (hidden, calls)), report)
+        allocation, schemes = plan(run, model, source, (hidden, calls))
+        apply(run, allocation, report, schemes)
     saved_fp = None
     if after_allocation is not None:
         hidden, saved_fp = after_allocation(hidden)
