@@ -49,7 +49,7 @@ ANCHORS = {
 
 def stages(listing: list[dict]) -> list[list[dict]]:
     """The block's stages: a dense group of linears sharing an input, or one matrix of every expert."""
-    from optq.pipeline.moe.stages import expert_parts
+    from optq.pipeline.discovery import expert_parts
 
     out: dict[tuple, list[dict]] = {}
     for row in listing:
@@ -62,8 +62,8 @@ def stages(listing: list[dict]) -> list[list[dict]]:
 
 
 def block_time(listing: list[dict], n: int, fwd_hess: float, gather_mode: str = "tensors") -> dict[str, float]:
+    from optq.pipeline.discovery import expert_parts
     from optq.pipeline.distributed.ranks import Dist
-    from optq.pipeline.moe.stages import expert_parts
 
     solve = allreduce = gather = 0.0
     for stage in stages(listing):

@@ -68,7 +68,7 @@ def layer_shrinks(model: nn.Module, units: Sequence[torch.Tensor], batch_size: i
     """λ for every linear of the decoder blocks, from the fp model's inputs to it (tokens at
     unit RMS, as optq's Hessians). Linears reading one input (q/k/v, gate/up) share a λ."""
     from optq.formats.linears import find_linears
-    from optq.pipeline.blocks.discovery import find_blocks
+    from optq.pipeline.discovery import find_blocks
 
     prefix, blocks = find_blocks(model)
     linears = {n: m for i, b in enumerate(blocks) for n, m in find_linears(b, f"{prefix}.{i}").items()}

@@ -39,7 +39,7 @@ _EXPORTS = {
     "pack": "formats.packing",
     "unpack": "formats.packing",
     "QuantLinear": "formats.qlinear",
-    "quantize": "pipeline.blocks.loop",
+    "quantize": "pipeline.run",
     "quantize_pretrained": "pipeline.stream.quantize",
     "RunSettings": "pipeline.settings",
     "Report": "pipeline.report",

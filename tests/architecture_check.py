@@ -15,7 +15,8 @@ Every file is reduced to its *uses*: absolute dotted names it depends on, found 
 A use of ``optq.NAME`` where NAME is a public name of the facade ``optq/__init__.py`` resolves
 through its lazy ``_EXPORTS`` table to the module defining NAME (``from optq import quantize``
 is an import of the pipeline layer); other names of the root (``__version__``) have no layer.
-Code under ``if TYPE_CHECKING:`` never runs and is left out. Names rebound at run time
+Code under ``if TYPE_CHECKING:`` never runs: it is left out of the layer check, not of the import
+graph (a loop closed there, or inside a function, is still a loop). Names rebound at run time
 (``m = importlib; m.import_module(...)``, computed strings) are out of reach of a static check.
 """
 
@@ -221,6 +222,11 @@ class Package:
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
         return out
 
+    @property
+    def packages(self) -> list[str]:
+        """The dotted names of the package and its subpackages (folders with an ``__init__.py``)."""
+        return [m for m, path in self.modules.items() if path.name == "__init__.py"]
+
     @cached_property
     def exports(self) -> dict[str, str]:
         """The facade's lazy ``_EXPORTS`` table as public name -> absolute module, read with ast.
@@ -282,12 +288,42 @@ def upward_uses(package: Package) -> list[Violation]:
 
 
 def import_graph(package: Package) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports while being imported (statements and calls)."""
+    """Module -> the package's modules it imports (statements and calls), at any depth: imports
+    inside functions and under ``if TYPE_CHECKING:`` count, a loop they close is hidden, not gone."""
     graph = {}
     for module in package.modules:
-        uses = [u for u in package.uses(module) if u.kind != "attribute" and not (u.deferred or u.type_only)]
+        uses = [u for u in package.uses(module) if u.kind != "attribute"]
         graph[module] = {t for u in uses if (t := package.module_of(u.name)) and t != module}
     return graph
+
+
+def _folder_node(package: str, module: str) -> str:
+    """The child of ``package`` that holds ``module``: a subpackage as ``a.b/``, a module as itself."""
+    if module == package:
+        return module  # the package's own __init__.py
+    child = module[len(package) + 1 :].split(".")[0]
+    rest = module[len(package) + 1 + len(child) :]
+    return f"{package}.{child}" + ("/" if rest else "")
+
+
+def folder_graph(graph: dict[str, set[str]], packages: Iterable[str]) -> dict[str, set[str]]:
+    """The module graph seen from each package: an edge between the children of the deepest
+    package holding both ends, a subpackage standing for every module in it (``a.b/``).
+
+    A cycle here is a cycle between subpackages (``blocks/`` imports ``moe/``, which imports
+    ``blocks/``) even where no single chain of modules closes; every module-level cycle shows too.
+    """
+    packages = sorted(packages, key=len, reverse=True)  # deepest first
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        for b in targets:
+            common = next((p for p in packages if within(a, p) and within(b, p)), None)
+            if common is None:
+                continue
+            src, dst = _folder_node(common, a), _folder_node(common, b)
+            if src != dst:
+                out.setdefault(src, set()).add(dst)
+    return out
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -308,6 +344,31 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (found := visit(m, [m])):
             return found
     return None
+
+
+def loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of nodes that reach one another (each holds a cycle), sorted; none when acyclic."""
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
 
 
 def core_forbidden(name: str) -> bool:

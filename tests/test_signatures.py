@@ -11,7 +11,7 @@ LIMIT = 8
 # The entry points users call with keywords (they build the settings object once), and the
 # public record whose constructor names each of its fields.
 ALLOWED = {
-    "optq/pipeline/blocks/loop.py:quantize",
+    "optq/pipeline/run.py:quantize",
     "optq/pipeline/stream/quantize.py:quantize_pretrained",
     "optq/core/solver.py:Solution.__init__",
 }

@@ -126,7 +126,7 @@ def round_to_nearest(model: nn.Module, config: QuantConfig, serve: Sequence[str]
     sizes of ``optq.pipeline.schemes.resolve``), so that it compares like for like with GPTQ."""
     from optq.core.solver import rtn
     from optq.formats.linears import find_linears, get_weight, set_weight
-    from optq.pipeline.blocks.discovery import find_blocks
+    from optq.pipeline.discovery import find_blocks
     from optq.pipeline.schemes import resolve
 
     prefix, blocks = find_blocks(model)
@@ -188,7 +188,7 @@ def compare(
             row as soon as it is known or to save the model.
     """
     from optq.core.memory import release_host_memory
-    from optq.pipeline.blocks.loop import quantize  # the pipeline pulls in transformers-aware code
+    from optq.pipeline.run import quantize  # the pipeline pulls in transformers-aware code
 
     results = []
     for v in variants:

@@ -24,39 +24,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from optq.core.solver import Solution
 from optq.formats import compressed_tensors as checkpoint_ct
 from optq.formats.atomic import atomic_folder
-from optq.formats.experts import checkpoint_namer, unfuse_experts
+from optq.formats.experts import checkpoint_namer, layer_namer, unfuse_experts
 from optq.formats.files import write_json, write_safetensors
 from optq.formats.gptq_config import CheckpointError, quantized_layers
 from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, quantization_config
 from optq.formats.loading import load
 from optq.formats.qlinear import QuantLinear
 
-if TYPE_CHECKING:
-    from optq.core.solver import Solution
-
 __all__ = ["save", "load", "CheckpointError", "quantized_layers", "layer_namer"]
 
 log = logging.getLogger("optq.checkpoint")
 SAVE_FORMATS = CHECKPOINT_FORMATS
 REPORT_FILE = "quantization_report.json"
-
-
-def layer_namer(names: Callable[[str], str]) -> Callable[[str], str]:
-    """Module names from a tensor namer (:func:`checkpoint_namer`'s): a module ``m`` is named as
-    its weight ``m.weight`` is, so that the packed tensors ``m.qweight``... sit where it did."""
-
-    def name(module: str) -> str:
-        full = names(f"{module}.weight")
-        return full[: -len(".weight")] if full.endswith(".weight") else names(module)
-
-    return name
 
 
 def _state_dict(

@@ -45,6 +45,7 @@ __all__ = [
     "GPT_OSS",
     "unfuse_experts",
     "checkpoint_namer",
+    "layer_namer",
     "experts_layout",
     "is_router",
 ]
@@ -183,7 +184,7 @@ class ExpertLinears(nn.ModuleList):
     ``act(gate) * up``, or for GPT-OSS the model's clamped SwiGLU on the fused columns.
 
     The module holds weights only: the pipeline's Hessian passes swap in a forward of their own
-    (``optq.pipeline.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
+    (``optq.pipeline.blocks.moe.collect.calibrating``) built from :meth:`routes` and :meth:`expert`.
     """
 
     def __init__(
@@ -344,3 +345,14 @@ def _param(w: torch.Tensor) -> nn.Parameter:
     else:
         data = w.detach().clone(memory_format=torch.contiguous_format)
     return nn.Parameter(data, requires_grad=False)
+
+
+def layer_namer(names: Callable[[str], str]) -> Callable[[str], str]:
+    """Module names from a tensor namer (:func:`checkpoint_namer`'s): a module ``m`` is named as
+    its weight ``m.weight`` is, so that the packed tensors ``m.qweight``... sit where it did."""
+
+    def name(module: str) -> str:
+        full = names(f"{module}.weight")
+        return full[: -len(".weight")] if full.endswith(".weight") else names(module)
+
+    return name

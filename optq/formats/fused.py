@@ -25,11 +25,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from optq.core.memory import release_host_memory
 from optq.formats import cpu_kernels
 from optq.formats.cpu_kernels import FastWeight
 from optq.formats.qlinear import QuantLinear, tensor_version
 
-__all__ = ["SIBLINGS", "FusedGroup", "fuse_siblings"]
+__all__ = ["SIBLINGS", "FusedGroup", "fuse_siblings", "build_fast_paths"]
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("query", "key", "value"))
 """Child names whose modules read the same input, in the order a block calls them."""
@@ -154,7 +155,7 @@ def _no_codes() -> torch.Tensor:
 def fuse_siblings(model: nn.Module, recurse: bool = True) -> int:
     """Fuse every group of sibling QuantLinears whose fast layouts allow it (see the module's
     description); returns the number of groups. Their layouts must be built first
-    (:func:`optq.formats.qlinear.build_fast_paths`). ``recurse=False``: only the groups whose
+    (:func:`build_fast_paths`). ``recurse=False``: only the groups whose
     members are ``model``'s own children (optq.load fuses each parent once its layers are read)."""
     groups = 0
     for parent in model.modules() if recurse else [model]:
@@ -168,3 +169,17 @@ def fuse_siblings(model: nn.Module, recurse: bool = True) -> int:
             FusedGroup(members)
             groups += 1
     return groups
+
+
+def build_fast_paths(model: nn.Module, *, drop_codes: bool = True, fuse: bool = True) -> tuple[int, int]:
+    """Build every CPU QuantLinear's fast path now (optq.load does), freeing the checkpoint
+    codes they duplicate unless ``drop_codes=False`` (see :meth:`QuantLinear.build_fast_path`)
+    and running siblings that read one input as one call unless ``fuse=False``
+    (:func:`fuse_siblings`), then hand the temporaries' memory back; returns (layers on the
+    fast path, quantized layers)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scales.device.type == "cpu"]
+    fast = sum(m.build_fast_path(drop_codes) for m in layers)
+    if fuse:
+        fuse_siblings(model)
+    release_host_memory()  # the temporaries' heap pages, back to the system
+    return fast, len(layers)

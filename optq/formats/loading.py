@@ -25,12 +25,12 @@ from torch import nn
 from optq.core.memory import heap_trimmer
 from optq.formats import compressed_tensors as checkpoint_ct
 from optq.formats.compact import EMBEDDINGS, compact_embeddings
-from optq.formats.experts import checkpoint_namer, unfuse_experts
+from optq.formats.experts import checkpoint_namer, layer_namer, unfuse_experts
 from optq.formats.files import TensorReader, read_config, read_index
-from optq.formats.fused import fuse_siblings
+from optq.formats.fused import build_fast_paths, fuse_siblings
 from optq.formats.gptq_config import CheckpointError, check_gptq_config
 from optq.formats.layout import Scheme, packed_layout
-from optq.formats.qlinear import QuantLinear, build_fast_paths
+from optq.formats.qlinear import QuantLinear
 from optq.formats.schemes import LayerSetting, layer_schemes
 
 __all__ = ["load", "TRIM_EVERY"]
@@ -119,7 +119,6 @@ def load(
     model.tie_weights()  # from_config leaves meta parameters untied; tying follows the config
     unfuse_experts(model)  # one linear per expert, as checkpoints store them
     tensor_name = checkpoint_namer(model)
-    from optq.formats.checkpoint import layer_namer
 
     module_name = layer_namer(tensor_name)
     modules = {module_name(n): n for n, _ in model.named_modules() if n}  # checkpoint -> model name

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from optq.core.grid import group_index
-from optq.core.memory import release_host_memory
 from optq.formats import cpu_kernels
 from optq.formats.cpu_kernels import FastWeight
 from optq.formats.packing import (
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     from optq.core.config import QuantConfig
     from optq.core.solver import Solution
 
-__all__ = ["QuantLinear", "build_fast_paths", "replace_linears"]
+__all__ = ["QuantLinear", "replace_linears"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP16_TINY = 2.0**-24  # smallest positive float16; keeps recomputed codes finite
@@ -314,22 +313,6 @@ class QuantLinear(nn.Module):
             f"bits={self.bits}, group_size={self.group_size}, bias={self.bias is not None}, "
             f"checkpoint_format={self.checkpoint_format!r}"
         )
-
-
-def build_fast_paths(model: nn.Module, *, drop_codes: bool = True, fuse: bool = True) -> tuple[int, int]:
-    """Build every CPU QuantLinear's fast path now (optq.load does), freeing the checkpoint
-    codes they duplicate unless ``drop_codes=False`` (see :meth:`QuantLinear.build_fast_path`)
-    and running siblings that read one input as one call unless ``fuse=False``
-    (:mod:`optq.formats.fused`), then hand the temporaries' memory back; returns (layers on the
-    fast path, quantized layers)."""
-    from optq.formats.fused import fuse_siblings
-
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.scales.device.type == "cpu"]
-    fast = sum(m.build_fast_path(drop_codes) for m in layers)
-    if fuse:
-        fuse_siblings(model)
-    release_host_memory()  # the temporaries' heap pages, back to the system
-    return fast, len(layers)
 
 
 def replace_linears(model: nn.Module, solutions: Mapping[str, Solution], checkpoint_format: str = "gptq") -> nn.Module:

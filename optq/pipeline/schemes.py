@@ -28,7 +28,7 @@ from torch import nn
 
 from optq.core.config import QuantConfig
 from optq.formats.linears import get_weight
-from optq.pipeline.blocks.discovery import select_names
+from optq.pipeline.discovery import select_names
 
 __all__ = ["LayerSchemes", "resolve", "parse_overrides", "parse_override_text", "OVERRIDABLE"]
 

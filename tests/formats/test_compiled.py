@@ -8,7 +8,8 @@ import torch
 from formats.bounds import bf16_bound
 
 import optq
-from optq.formats.qlinear import QuantLinear, build_fast_paths
+from optq.formats.fused import build_fast_paths
+from optq.formats.qlinear import QuantLinear
 
 pytestmark = pytest.mark.slow
 

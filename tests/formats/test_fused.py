@@ -9,8 +9,8 @@ from formats.bounds import bf16_bound
 from torch import nn
 
 import optq
-from optq.formats.fused import fuse_siblings
-from optq.formats.qlinear import QuantLinear, build_fast_paths, replace_linears
+from optq.formats.fused import build_fast_paths, fuse_siblings
+from optq.formats.qlinear import QuantLinear, replace_linears
 
 
 def _layer(n: int, k: int, bits: int = 4, seed: int = 0) -> QuantLinear:

@@ -16,8 +16,9 @@ import optq
 from optq.formats import compact
 from optq.formats.compact import CompactEmbedding, CompactHead, compact_embeddings
 from optq.formats.files import CheckpointError
+from optq.formats.fused import build_fast_paths
 from optq.formats.linears import find_linears, get_weight
-from optq.formats.qlinear import build_fast_paths, replace_linears
+from optq.formats.qlinear import replace_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from load_memory import measure  # noqa: E402

@@ -8,8 +8,9 @@ import torch
 
 import optq
 from optq.formats import cpu_kernels
+from optq.formats.fused import build_fast_paths
 from optq.formats.packing import pack_qweight
-from optq.formats.qlinear import QuantLinear, build_fast_paths
+from optq.formats.qlinear import QuantLinear
 
 
 def _layer(n: int, k: int, bits: int, seed: int = 0, **cfg) -> QuantLinear:

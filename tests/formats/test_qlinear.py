@@ -161,7 +161,7 @@ def test_word_aligned_unpacking_matches_the_general_unpacker(bits: int) -> None:
 
 
 def test_build_fast_paths_builds_every_layer_and_counts_them() -> None:
-    from optq.formats.qlinear import build_fast_paths
+    from optq.formats.fused import build_fast_paths
 
     model = nn.Sequential(
         QuantLinear.from_solution(_solution(32, 128, bits=4, group_size=32)),

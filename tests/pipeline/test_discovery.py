@@ -8,7 +8,7 @@ from torch import nn
 
 from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline.blocks import capture
-from optq.pipeline.blocks.discovery import find_blocks, select_names
+from optq.pipeline.discovery import find_blocks, select_names
 
 transformers = pytest.importorskip("transformers")
 from tiny import ARCHS, build, tokens  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 import optq
 from optq.core import gptaq, solver
 from optq.formats.linears import find_linears, get_weight
-from optq.pipeline.blocks.discovery import find_blocks
+from optq.pipeline.discovery import find_blocks
 
 pytest.importorskip("transformers")
 from tiny import ARCHS, CFG, VOCAB, assert_on_own_grid, assert_on_static_grid, build, tokens  # noqa: E402

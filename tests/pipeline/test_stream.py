@@ -17,7 +17,7 @@ import optq
 from optq.formats.files import INDEX, read_index
 from optq.formats.linears import find_linears
 from optq.formats.qlinear import QuantLinear, replace_linears
-from optq.pipeline.blocks.discovery import find_blocks
+from optq.pipeline.discovery import find_blocks
 from optq.pipeline.stream import assemble as assemble_mod
 from optq.pipeline.stream.journal import Journal
 from optq.pipeline.stream.source import SafetensorsSource, SourceError

@@ -60,7 +60,7 @@ from optq.pipeline.allocation.options import (
 from optq.pipeline.allocation.passes import Gains, Streams, divergence, measure
 from optq.pipeline.blocks.capture import Call
 from optq.pipeline.blocks.prepare import Run
-from optq.pipeline.schemes import resolve
+from optq.pipeline.schemes import LayerSchemes, resolve
 
 __all__ = ["plan", "apply", "head_logits", "WEIGHTINGS"]
 
@@ -115,11 +115,12 @@ def _split(n: int) -> tuple[list[int], list[int]]:
 
 def plan(
     run: Run, model: nn.Module, source: Any, activations: tuple[list[torch.Tensor], list[list[Call]]]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], LayerSchemes]:
     """Choose every target's (bits, group size) under ``run.settings.target_bits``; returns the
-    report's ``allocation``. ``source`` loads and releases blocks (the run's block source);
-    ``activations``: the hidden states entering block 0 per batch and every block's calls
-    (left as they are). Raises ValueError before any weight changes when no allocation fits."""
+    report's ``allocation`` and the chosen per-layer schemes (resolved once, for :func:`apply`).
+    ``source`` loads and releases blocks (the run's block source); ``activations``: the hidden
+    states entering block 0 per batch and every block's calls (left as they are). Raises
+    ValueError before any weight changes when no allocation fits."""
     _check(run)
     start = time.perf_counter()
     s, target = run.settings, run.settings.target_bits
@@ -157,10 +158,10 @@ def plan(
     if block_kl:
         factors = {k: _block_factors(run, names, (k, errors, energy), base, block_kl) for k in WEIGHTINGS}
     candidates = _candidates(names, units, unit_options, (errors, energy, factors), sizes, budget)
-    refused = {}
+    refused, resolved = {}, {}
     for key, allocation in list(candidates.items()):
         try:
-            resolve(run.linears, names, run.config, overrides(allocation), serve=s.serve, fmt=s.format)
+            resolved[key] = resolve(run.linears, names, run.config, overrides(allocation), serve=s.serve, fmt=s.format)
         except ValueError as exc:
             refused[key] = str(exc).splitlines()[0]
             del candidates[key]
@@ -180,10 +181,10 @@ def plan(
     )
     ranked = sorted(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
     streams = (_streams(hidden, calls, ids, fit), _streams(hidden, calls, ids, held))
-    check, run_kl = recheck.choose(run, source, streams, [(k, candidates[k]) for k in ranked], logits)
+    check, run_kl = recheck.choose(run, source, streams, [(k, resolved[k]) for k in ranked], logits)
     chosen = min(run_kl, key=lambda k: (run_kl[k], ranked.index(k))) if run_kl else ranked[0]
     outcome = (candidates, kl, run_kl, refused, chosen, (base, block_kl), check)
-    return _result(run, outcome, sizes, energy, errors, (fit, held, start))
+    return _result(run, outcome, sizes, energy, errors, (fit, held, start)), resolved[chosen]
 
 
 def _solve(run: Run) -> str:
@@ -359,12 +360,14 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
     }
 
 
-def apply(run: Run, allocation: Mapping[str, Any], report: Any = None) -> None:
+def apply(run: Run, allocation: Mapping[str, Any], report: Any = None, schemes: LayerSchemes | None = None) -> None:
     """Make ``allocation`` (:func:`plan`'s result) the run's per-layer schemes, each layer's
-    reason saying why; and ``report``'s ``allocation`` and ``schemes``."""
+    reason saying why; and ``report``'s ``allocation`` and ``schemes``. ``schemes``: the
+    allocation's, as :func:`plan` resolved them; resolved here when not given (a resumed run)."""
     s = run.settings
-    chosen = {n: (row["bits"], row["group_size"]) for n, row in allocation["layers"].items()}
-    schemes = resolve(run.linears, sorted(run.targets), run.config, overrides(chosen), serve=s.serve, fmt=s.format)
+    if schemes is None:
+        chosen = {n: (row["bits"], row["group_size"]) for n, row in allocation["layers"].items()}
+        schemes = resolve(run.linears, sorted(run.targets), run.config, overrides(chosen), serve=s.serve, fmt=s.format)
     for n, row in allocation["layers"].items():
         schemes.why[n] = row["why"]
     schemes.notes.append(

@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 
-from optq.pipeline.allocation.options import overrides
 from optq.pipeline.allocation.passes import Streams, block_targets, mean_kl, swapped
 from optq.pipeline.blocks.block import quantize_block
 from optq.pipeline.blocks.capture import run_block
 from optq.pipeline.blocks.loop import new_report
 from optq.pipeline.blocks.prepare import Run
-from optq.pipeline.schemes import LayerSchemes, resolve
+from optq.pipeline.schemes import LayerSchemes
 
 __all__ = ["choose", "recheck", "needed", "affordable"]
 
@@ -107,7 +106,7 @@ def _candidate_block(run: Run, where, streams: tuple[Streams, Streams], chains, 
 
 
 def choose(run: Run, source: Any, streams: tuple[Streams, Streams], ranked, logits):
-    """The first ``target_check`` of ``ranked`` (name, allocation) pairs quantized as the run does
+    """The first ``target_check`` of ``ranked`` (name, per-layer schemes) pairs quantized as the run does
     (``recheck``): the report's ``check`` and their KL by name (empty: the proxy decides)."""
     s, need = run.settings, needed(run)
     wanted = s.target_check if need else 0
@@ -120,9 +119,7 @@ def choose(run: Run, source: Any, streams: tuple[Streams, Streams], ranked, logi
         return check, {}
     t0 = time.perf_counter()
     log.info("target-bits: the %d best allocations by the proxy quantized as the run does (%s)", count, s.method)
-    names, schemes = sorted(run.targets), {}
-    for key, allocation in ranked[:count]:
-        schemes[key] = resolve(run.linears, names, run.config, overrides(allocation), serve=s.serve, fmt=s.format)
+    schemes = dict(ranked[:count])
     step, found = affordable(run, *streams, len(schemes)), {}  # memory decides the passes, not the result
     for a in range(0, len(schemes), step):
         found.update(recheck(run, source, streams, dict(list(schemes.items())[a : a + step]), logits))

@@ -6,7 +6,7 @@ forward uses them), then takes one of two paths:
 - replayed (the default, ``strategy="replay"``): per group, the block is run again from its
   inputs up to the group (children already quantized are replayed from a memo), the group's
   Hessian is filled, solved and written back (:func:`_dense_group`); a mixture-of-experts stage
-  fills many experts' Hessians per pass (``optq.pipeline.moe.block``);
+  fills many experts' Hessians per pass (``optq.pipeline.blocks.moe.block``);
 - paused (``strategy="pause"``): every batch's forward pauses at each group's input while the
   group is solved, then resumes (:func:`_paused`).
 
@@ -28,14 +28,16 @@ from optq.core import memory
 from optq.formats.experts import ExpertLinears
 from optq.formats.linears import find_linears
 from optq.pipeline.blocks import capture
+from optq.pipeline.blocks.groups import solve_units
 from optq.pipeline.blocks.memo import Memo
+from optq.pipeline.blocks.moe import block as moe_block
+from optq.pipeline.blocks.moe.stages import Stage, plan_stages
 from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.blocks.stepper import PausedForwards
 from optq.pipeline.blocks.twin import FloatTwin, pairing
 from optq.pipeline.blocks.work import BlockWork, SolveUnit, naming_inputs
+from optq.pipeline.discovery import expert_parts
 from optq.pipeline.distributed.ranks import Dist
-from optq.pipeline.moe import block as moe_block
-from optq.pipeline.moe.stages import Stage, expert_parts, plan_stages
 from optq.pipeline.report import Report
 
 __all__ = ["quantize_block"]
@@ -157,7 +159,7 @@ def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset
         )
     hess.all_reduce(work.run.dist)
     work.release()
-    work.solve(k, [SolveUnit(subset, hess, work.run.settings.method, t0)])
+    solve_units(work, [SolveUnit(subset, hess, work.run.settings.method, t0)], k)
     work.release()  # the solver's workspace, before the next pass allocates
 
 
@@ -170,7 +172,7 @@ def _paused(work: BlockWork, schedule: capture.Schedule, original: list[torch.Te
             hess = work.new_hessian(subset)
             with naming_inputs(work.prefix, subset):
                 paused.advance(k, hess)
-            work.solve(k, [SolveUnit(subset, hess, work.run.settings.method, t0)])
+            solve_units(work, [SolveUnit(subset, hess, work.run.settings.method, t0)], k)
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
         # computed from partly quantized layers, are not what propagates.
         outputs = original if original is not None else paused.finish()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["calibration_samples", "make_batches", "max_positions", "check_seqlen"]
+__all__ = ["calibration_samples", "make_batches", "max_positions", "check_seqlen", "tensor_digest"]
 
 DEFAULT_NSAMPLES = 128
 DEFAULT_SEQLEN = 512
@@ -133,3 +134,13 @@ def make_batches(samples: Sequence[torch.Tensor], batch_size: int) -> list[torch
         else:
             batches.append([s])
     return [torch.stack(b) for b in batches]
+
+
+def tensor_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 over the dtypes, shapes and bytes of ``tensors`` (the calibration samples)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -15,16 +15,14 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from optq.core import gptaq, solver
 from optq.formats.linears import get_weight, set_weight
+from optq.pipeline.blocks.work import BlockWork, SolveUnit
 from optq.pipeline.report import LayerReport
-
-if TYPE_CHECKING:
-    from optq.pipeline.blocks.work import BlockWork, SolveUnit
 
 __all__ = ["solve_group", "solve_units"]
 
@@ -32,7 +30,8 @@ log = logging.getLogger("optq.pipeline")
 
 
 def solve_units(work: BlockWork, units: Sequence[SolveUnit], first: int) -> None:
-    """Solve each unit of ``work``'s block; unit ``u`` is the block's group number ``first + u``.
+    """Seam 2, where Hessians are summed: the units' Hessians hold every rank's calibration
+    tokens here. Solve each unit of ``work``'s block; unit ``u`` is the block's group number ``first + u``.
     The progress bar's postfix follows each subset once its weights are in, on every rank.
 
     With one process every unit is solved here, in order. Under torch.distributed each linear

@@ -1,32 +1,7 @@
-"""Quantize a whole causal LM, one decoder block at a time: ``optq.quantize``.
-
-For each block: find the linears and group them by the input they share (q/k/v, then o, then
-gate/up, then down in a Llama block); for each group in that order, run the calibration batches
-through the block up to that group, accumulate ONE Hessian of the group's input, solve all of
-the group's weights together (their rows stacked: GPTQ treats rows independently and they share
-H), and write the quantized weights back, so the next group sees the effect of the earlier ones.
-The block's outputs then become the next block's inputs (``optq.pipeline.blocks.block`` does one block).
-
-Memory: the model stays where it is; only the current block is moved to ``device``. With
-T = nsamples x seqlen calibration tokens, b = batch_size x seqlen tokens per forward, h the
-hidden size, i the MLP's intermediate size and float32 activations, the peak is about
-
-    the runtime and the model                     (a lazily loaded model becomes resident)
-  + T x h x 4                                     the block inputs, each batch's overwritten
-                                                  by its outputs as soon as they exist
-  + T x h x 4                                     strategy="replay": one finished child's
-                                                  recorded outputs (the attention's)
-  + T x h x 4                                     propagate="original": the unquantized
-                                                  block's outputs, beside its inputs
-  + b x (3 i + 3 h) x 4                           one batch's temporaries inside the block
-  + ~6 x the largest group's weights x 4 + K^2 x 4   the solve (stacked rows, copies) and H
-  + T x (i + 2 h) x 4                             strategy="pause" only: every batch's paused
-                                                  forward (at worst inside the MLP)
-  + one block's parameters on ``device``          when the model lives elsewhere
-
-plus what the allocator holds between the heap trims after each pass. SmolLM2-135M at 128 x 512
-tokens: 144 + 144 + 99 + ~50 MB beside the 513 MB model (pause: +528 MB); the peak measured by
-benchmarks/quantize_model.py is printed next to this formula's.
+"""The block loop every run goes through, ``run_blocks``, with its seams: where a block's weights
+come from (:class:`BlockSource`) and where its results go (:class:`BlockSink`); :class:`InMemory`
+is both for a model in memory. The runs themselves, and what they do before the loop, are in
+``optq.pipeline.run`` (in memory) and ``optq.pipeline.stream.quantize`` (streamed).
 """
 
 from __future__ import annotations
@@ -38,15 +13,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from optq.core.config import QuantConfig
 from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.block import quantize_block
-from optq.pipeline.blocks.prepare import Run, check_finite_weights, prepare
+from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.report import Report
-from optq.pipeline.settings import RunSettings
 
-__all__ = ["quantize", "run_blocks", "BlockSource", "BlockSink", "Report", "new_report", "versions"]
+__all__ = ["run_blocks", "BlockSource", "BlockSink", "InMemory", "Report", "new_report", "versions"]
 
 log = logging.getLogger("optq.pipeline")
 
@@ -78,82 +51,6 @@ class BlockSink(Protocol):
 
     def rollback(self, i: int, block: nn.Module, report: Report) -> None:
         """Quantizing block ``i`` failed (still on the compute device): undo what it changed."""
-
-
-def quantize(
-    model: nn.Module,
-    calibration: Any,
-    config: QuantConfig,
-    *,
-    tokenizer: Any = None,
-    settings: RunSettings | None = None,
-    progress: bool = True,
-    **options: Any,
-) -> Report:
-    """Quantize the linears of ``model``'s decoder blocks in place; returns a ``Report``.
-
-    Example::
-
-        >>> report = optq.quantize(model, token_ids, optq.QuantConfig(bits=4, group_size=128))
-        >>> report.totals["mean_objective_ratio"]   # GPTQ / round-to-nearest, below 1
-
-    Args:
-        calibration: token ids (LongTensor [n, seqlen], a list of 1-D LongTensors, or a 1-D
-            token stream to draw ``nsamples`` windows of ``seqlen`` from with ``seed``), or text
-            (a string or list of strings) together with ``tokenizer``.
-        settings: how the run goes (:class:`optq.pipeline.settings.RunSettings`); ``options``
-            are its fields as keywords, replacing those of ``settings`` (e.g. ``nsamples=64,
-            propagate="original", strategy="pause", device="cuda", moe_calibration="routed",
-            hessian_dtype="float64"``; RunSettings' docstring says what each does). ``device``
-            defaults to where the model's blocks are.
-        progress: show a tqdm bar over the blocks.
-    """
-    start = time.perf_counter()
-    run = prepare(model, calibration, config, RunSettings.of(settings, **options), tokenizer)
-    check_finite_weights({n: m for n, m in run.linears.items() if n in run.targets})
-    s = run.settings
-    log.info(
-        "quantizing %d linears in %d blocks of %s on %d x %d tokens (%s, %s)",
-        len(run.targets),
-        len(run.blocks),
-        run.blocks_name,
-        run.facts["nsamples"],
-        run.facts["seqlen"],
-        s.method,
-        s.propagate,
-    )
-    was_training = model.training
-    model.eval()
-    report = new_report(run, run.options())
-    memory = InMemory(run)
-    try:
-        with torch.no_grad():
-            hidden, calls = capture.capture_inputs(model, run.blocks, run.batches, run.device)
-            if s.target_bits is not None:
-                from optq.pipeline.allocation.allocate import apply, plan
-
-                apply(run, plan(run, model, memory, (hidden, calls)), report)
-            # GPTAQ: the float chain starts where the quantized one does (embeddings stay float).
-            fp = [h.clone() for h in hidden] if s.method == "gptaq" else None
-            run_blocks(
-                run, memory, memory, (hidden, calls), report, progress=progress and run.dist.rank == 0, fp_hidden=fp
-            )
-    except ValueError as exc:
-        # Found inside the loop (non-finite activations, a Hessian that cannot be factorised):
-        # every finished block was written back, the failing one was restored; say what state
-        # the model is left in, since it is quantized in place.
-        raise _with_state(exc, _state(report, run)) from exc
-    finally:
-        model.train(was_training)
-    report.seconds = time.perf_counter() - start
-    ratio = report.totals["mean_objective_ratio"]
-    log.info(
-        "done in %.1f s: %d layers, mean objective ratio to round-to-nearest %s",
-        report.seconds,
-        report.totals["layers"],
-        "n/a" if ratio is None else f"{ratio:.4f}",
-    )
-    return report
 
 
 def new_report(run: Run, options: dict[str, Any]) -> Report:
@@ -262,25 +159,6 @@ class InMemory:
             # of held (one byte per weight, a quarter of an fp32 model) for the whole run.
             if not sol.drop_codes():
                 sol.codes = sol.codes.to(home)
-
-
-def _with_state(exc: ValueError, state: str) -> ValueError:
-    # The same type (a FactorizationError stays one) when it can be built from a message.
-    try:
-        return type(exc)(f"{exc}; {state}")
-    except Exception:
-        return ValueError(f"{exc}; {state}")
-
-
-def _state(report: Report, run: Run) -> str:
-    done = len(report.layers)
-    blocks = len(report.block_seconds)
-    if done == 0:
-        return "no weight was changed"
-    return (
-        f"the model is left partly quantized: blocks 0 to {blocks - 1} ({done} of {len(run.targets)} layers); "
-        f"block {blocks}, where it failed, is as it was: load the model again before using it"
-    )
 
 
 def versions() -> dict[str, str]:

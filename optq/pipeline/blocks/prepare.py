@@ -18,8 +18,8 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats.experts import ExpertLinears, is_router, unfuse_experts
 from optq.formats.linears import find_linears, get_weight, is_linear
-from optq.pipeline.blocks.calibration import calibration_samples, make_batches, max_positions
-from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
+from optq.pipeline.blocks.calibration import calibration_samples, make_batches, max_positions, tensor_digest
+from optq.pipeline.discovery import drop_routers, expert_parts, find_blocks, select_names
 from optq.pipeline.distributed.ranks import Dist, current
 from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings
@@ -152,8 +152,6 @@ def prepare(
             [s.tolist() for s in samples],
         ],
     )
-    from optq.pipeline.stream.journal import tensor_digest
-
     run.calibration_digest = tensor_digest(list(samples))
     return run
 
@@ -161,8 +159,6 @@ def prepare(
 def _check_gptaq_experts(model: nn.Module, targets: set[str]) -> None:
     """GPTAQ pairs each token's input in the float and the quantized model: experts must run every
     token (ExpertLinears, which optq runs itself), not only the tokens their router picks."""
-    from optq.pipeline.moe.stages import expert_parts
-
     owners = {p[0] for n in targets if (p := expert_parts(n)) is not None}
     own = sorted(o for o in owners if not isinstance(model.get_submodule(o), ExpertLinears))
     if own:

@@ -17,7 +17,6 @@ from torch import nn
 
 from optq.formats.linears import get_weight
 from optq.pipeline.blocks import capture
-from optq.pipeline.blocks.groups import solve_units
 from optq.pipeline.blocks.hessians import LayerHessians
 from optq.pipeline.report import Report
 
@@ -68,12 +67,6 @@ class BlockWork:
             dtype=self.run.settings.hessian_torch_dtype,
             cross=self.twin is not None,
         )
-
-    def solve(self, first: int, units: Sequence[SolveUnit]) -> None:
-        """Seam 2, where Hessians are summed: the units' Hessians hold every rank's calibration
-        tokens here; their linears are solved (spread over the ranks when there are several) and
-        written back; unit ``u`` is the block's group ``first + u``."""
-        solve_units(self, units, first)
 
     def run_pass(self, before_batch: Callable[[int], None]) -> None:
         """One forward of every calibration batch through the block (outputs dropped)."""

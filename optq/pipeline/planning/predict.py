@@ -54,15 +54,14 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.formats.checkpoint import layer_namer
 from optq.formats.expert_slices import fused_slices
-from optq.formats.experts import checkpoint_namer, unfuse_experts
+from optq.formats.experts import checkpoint_namer, layer_namer, unfuse_experts
 from optq.formats.files import safetensors_header, split_shards
 from optq.formats.layout import Scheme, packed_layout, quantization_config
 from optq.formats.linears import find_linears, get_weight
 from optq.pipeline.blocks.calibration import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
-from optq.pipeline.blocks.discovery import drop_routers, find_blocks, select_names
-from optq.pipeline.moe.stages import expert_parts, hessian_bytes, siblings
+from optq.pipeline.blocks.moe.stages import hessian_bytes
+from optq.pipeline.discovery import drop_routers, expert_parts, find_blocks, select_names, siblings
 from optq.pipeline.planning.runplan import RUNTIME_BYTES, RunPlan, machine_speed
 from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings, dtype_name

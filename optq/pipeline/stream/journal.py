@@ -51,12 +51,11 @@ from optq.pipeline.stream.records import (
     read_manifest,
     refusal,
     sealed,
-    tensor_digest,
     unsealed,
 )
 from optq.pipeline.stream.verify import check_files
 
-__all__ = ["Journal", "JournalError", "partial_path", "tensor_digest", "file_sha256"]
+__all__ = ["Journal", "JournalError", "partial_path", "file_sha256"]
 
 log = logging.getLogger("optq.pipeline")
 

@@ -34,14 +34,14 @@ from torch import nn
 
 from optq.core.config import QuantConfig
 from optq.formats import compressed_tensors
-from optq.formats.checkpoint import layer_namer
 from optq.formats.expert_slices import fused_in_source, fused_slices
-from optq.formats.experts import checkpoint_namer
+from optq.formats.experts import checkpoint_namer, layer_namer
 from optq.formats.layout import Scheme, quantization_config
-from optq.pipeline.blocks import capture
+from optq.pipeline.allocation.allocate import apply
 from optq.pipeline.blocks.loop import new_report, run_blocks, versions
 from optq.pipeline.blocks.prepare import Run, prepare
 from optq.pipeline.report import Report
+from optq.pipeline.run import before_blocks
 from optq.pipeline.settings import FORMATS, RunSettings, dtype_name
 from optq.pipeline.stream.assemble import assemble, local_folder
 from optq.pipeline.stream.fingerprint import check_reads, check_shards, shard_prints
@@ -143,8 +143,6 @@ def _run(
     report = new_report(run, options_)
     restore(report, journal.state.get("report"))
     if report.allocation:  # resumed: the settings the finished blocks were quantized with
-        from optq.pipeline.allocation.allocate import apply
-
         apply(run, report.allocation, report)
     log.info(
         "streaming %d blocks of %s from %s (%s) in %s on %s, %d x %d calibration tokens",
@@ -183,7 +181,8 @@ def _quantize_blocks(
     dtype: torch.dtype,
     progress: bool,
 ) -> None:
-    """Capture the first block's inputs (or take them from the journal), then the block loop."""
+    """Capture the first block's inputs (or take them from the journal) and what else comes before
+    the block loop (``optq.pipeline.run.before_blocks``), then the block loop."""
     model, prefix, device = run.blocks, run.blocks_name, run.device
     head = _head_name(root)
     outside = (f"{prefix}.", *((f"{head}.",) if head else ()))
@@ -193,14 +192,14 @@ def _quantize_blocks(
         _buffers_to(root, device)  # rotary tables
         src.load(model[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
         blocks.resident.add(0)
-        hidden, calls = capture.capture_inputs(root, model, run.batches, device)
-        if run.settings.target_bits is not None and not report.allocation:
-            from optq.pipeline.allocation.allocate import apply, plan
 
-            src.load(root, "", device, dtype, skip=(f"{prefix}.",))  # the head too: the KL needs logits
-            apply(run, plan(run, root, blocks, (hidden, calls)), report)
-        src.release(root, skip=(f"{prefix}.",))  # the embeddings served the capture only
-        if journal.done:
+        def load_head() -> None:  # the allocation's KL needs logits
+            src.load(root, "", device, dtype, skip=(f"{prefix}.",))
+
+        def after_allocation(hidden: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+            src.release(root, skip=(f"{prefix}.",))  # the embeddings served the capture only
+            if not journal.done:
+                return hidden, None
             # The capture read the embeddings and block 0 again: they must be what the finished
             # blocks were computed from, whatever the shards' fingerprints said.
             with run.dist.failing_together():
@@ -210,12 +209,13 @@ def _quantize_blocks(
             src.release(model[0])
             blocks.resident.clear()
             hidden.clear()  # the journal's activations replace the captured ones
-            hidden = [h.to(device) for h in journal.activations()]
-        # GPTAQ: the float chain starts where the quantized one does (embeddings stay float), or
-        # where the journal left it.
-        fp = None
-        if run.settings.method == "gptaq":
-            fp = [h.to(device) for h in journal.activations(fp=True)] if journal.done else [h.clone() for h in hidden]
+            return [h.to(device) for h in journal.activations()], lambda: [
+                h.to(device) for h in journal.activations(fp=True)
+            ]
+
+        hidden, calls, fp = before_blocks(
+            run, root, blocks, report, load_head=load_head, after_allocation=after_allocation
+        )
         if run.settings.offload_activations:
             hidden = journal.offload(hidden)
             fp = None if fp is None else journal.offload(fp, "fp")

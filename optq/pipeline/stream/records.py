@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 __all__ = [
     "JournalError",
     "partial_path",
-    "tensor_digest",
     "file_sha256",
     "sealed",
     "unsealed",
@@ -57,16 +54,6 @@ def partial_path(out: str | Path) -> Path:
     """Where a streaming run writes before its output is complete."""
     out = Path(out)
     return out.parent / f"{out.name}.partial"
-
-
-def tensor_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 over the dtypes, shapes and bytes of ``tensors`` (the calibration samples)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().contiguous().cpu()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _json(obj: Any) -> str:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from optq.formats import compressed_tensors
-from optq.formats.checkpoint import layer_namer
+from optq.formats.experts import layer_namer
 from optq.formats.gptq_config import is_natural
 from optq.formats.layout import storage_format
 from optq.formats.linears import find_linears

@@ -18,7 +18,9 @@ from torch import nn
 from optq.formats.experts import is_router
 from optq.formats.linears import find_linears
 
-__all__ = ["find_blocks", "select_names", "drop_routers"]
+__all__ = ["find_blocks", "select_names", "drop_routers", "expert_parts", "siblings"]
+
+_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>.+)$")
 
 
 def _module_lists(model: nn.Module) -> Iterable[tuple[str, nn.ModuleList]]:
@@ -112,3 +114,15 @@ def drop_routers(
             forced.update(hits)
     dropped = sorted(n for n in targets if is_router(n) and n not in forced)
     return targets - set(dropped), dropped
+
+
+def expert_parts(name: str) -> tuple[str, int, str] | None:
+    m = _EXPERT.match(name)
+    return (m["module"], int(m["e"]), m["leaf"]) if m else None
+
+
+def siblings(names: Iterable[str], name: str) -> list[str]:
+    """The same matrix of every expert of ``name``'s experts module (``name`` included)."""
+    parts = expert_parts(name)
+    assert parts is not None
+    return [n for n in names if (p := expert_parts(n)) and p[0] == parts[0] and p[2] == parts[2]]

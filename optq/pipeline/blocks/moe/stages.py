@@ -3,27 +3,24 @@
 A block's groups of linears (``capture.Schedule.subsets``) become *stages*. A dense group is a
 stage of its own. The same group of every expert of one experts module (all experts' gate/up,
 then all experts' down) is one stage: their inputs do not depend on one another, so one replay
-of the block's calibration forward fills all their Hessians at once (``optq.pipeline.moe.collect``,
+of the block's calibration forward fills all their Hessians at once (``optq.pipeline.blocks.moe.collect``,
 in chunks when they do not fit ``max_hessian_memory``), and they are solved together before the
-next stage sees their quantized weights (``optq.pipeline.moe.block``). Where each expert's
+next stage sees their quantized weights (``optq.pipeline.blocks.moe.block``). Where each expert's
 Hessian comes from (``moe_calibration``, starved experts) is described in
-``optq.pipeline.moe.collect``; docs/moe.md gives the measurements behind the defaults.
+``optq.pipeline.blocks.moe.collect``; docs/moe.md gives the measurements behind the defaults.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from optq.formats.experts import ExpertLinears
 from optq.pipeline.blocks import capture
+from optq.pipeline.discovery import expert_parts
 
-__all__ = ["Stage", "plan_stages", "expert_parts", "siblings", "hessian_bytes"]
-
-_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>.+)$")
+__all__ = ["Stage", "plan_stages", "hessian_bytes"]
 
 
 @dataclass
@@ -40,18 +37,6 @@ class Stage:
     module: nn.Module | None = None
     experts: list[int] = field(default_factory=list)
     first: bool = False
-
-
-def expert_parts(name: str) -> tuple[str, int, str] | None:
-    m = _EXPERT.match(name)
-    return (m["module"], int(m["e"]), m["leaf"]) if m else None
-
-
-def siblings(names: Iterable[str], name: str) -> list[str]:
-    """The same matrix of every expert of ``name``'s experts module (``name`` included)."""
-    parts = expert_parts(name)
-    assert parts is not None
-    return [n for n in names if (p := expert_parts(n)) and p[0] == parts[0] and p[2] == parts[2]]
 
 
 def plan_stages(block: nn.Module, prefix: str, schedule: capture.Schedule, targets: set[str]) -> list[Stage]:

@@ -29,9 +29,9 @@ from torch import nn
 from optq.formats.experts import ExpertLinears
 from optq.pipeline.blocks.hessians import LayerHessians
 from optq.pipeline.blocks.memo import Memo
+from optq.pipeline.blocks.moe.stages import Stage, hessian_bytes
 from optq.pipeline.blocks.twin import pairing
 from optq.pipeline.blocks.work import BlockWork, in_features
-from optq.pipeline.moe.stages import Stage, hessian_bytes
 
 __all__ = ["Collected", "collect_stage", "calibrating", "Routing", "NoTokens"]
 

@@ -1,6 +1,6 @@
 """The expert stages of a block: collect their Hessians, solve every expert, keep the books.
 
-A stage's experts are collected together (:func:`optq.pipeline.moe.collect.collect_stage`),
+A stage's experts are collected together (:func:`optq.pipeline.blocks.moe.collect.collect_stage`),
 then solved as one batch of units (spread over ranks when there are several). Each expert's
 report row says where its Hessian came from; fallbacks are listed among the run's fallbacks, and
 ``report.moe[block]`` counts the stages, chunks and forwards beyond the dense schedule.
@@ -12,10 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from optq.pipeline.blocks.groups import solve_units
 from optq.pipeline.blocks.memo import Memo
+from optq.pipeline.blocks.moe.collect import NoTokens, collect_stage
+from optq.pipeline.blocks.moe.stages import Stage
 from optq.pipeline.blocks.work import BlockWork, SolveUnit, in_features, naming_inputs
-from optq.pipeline.moe.collect import NoTokens, collect_stage
-from optq.pipeline.moe.stages import Stage
 from optq.pipeline.report import Report
 
 __all__ = ["ExpertTally", "quantize_stage", "round_starved", "NO_TOKENS"]
@@ -66,7 +67,7 @@ def quantize_stage(work: BlockWork, memo: Memo, stage: Stage, first: int, tally:
             hess = NoTokens(in_features(work.linears[rep]), work.linears[rep].weight.device)
         sources.append(got.sources[rep] if got.hessians[rep].count else NO_TOKENS)
         units.append(SolveUnit(subset, hess, "rtn" if rtn else method, time.perf_counter() - share))
-    work.solve(first, units)
+    solve_units(work, units, first)
     for unit, source in zip(units, sources):
         mark(work.report, unit.subset, source, method != "rtn" and (unit.method == "rtn" or "fallback" in source))
     count = len(units)
@@ -84,7 +85,7 @@ def round_starved(work: BlockWork, names: Sequence[str], first: int) -> int:
         )
         for n in names
     ]
-    work.solve(first, units)
+    solve_units(work, units, first)
     for name in names:
         mark(work.report, [name], NO_TOKENS, work.run.settings.method != "rtn")
     return len(units)
