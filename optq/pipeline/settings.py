@@ -29,11 +29,11 @@ from optq.core.gptaq import DEFAULT_ALPHA
 from optq.formats.engines import parse_engines
 from optq.formats.files import parse_size
 from optq.formats.layout import CHECKPOINT_FORMATS
+from optq.pipeline import methods
 from optq.pipeline.schemes import parse_overrides
 
 __all__ = [
     "RunSettings",
-    "METHODS",
     "GPTAQ_FORMS",
     "PROPAGATE",
     "STRATEGIES",
@@ -46,7 +46,6 @@ __all__ = [
     "dtype_name",
 ]
 
-METHODS = ("gptq", "gptaq", "rtn")
 GPTAQ_FORMS = ("paper", "full")
 PROPAGATE = ("quantized", "original")
 STRATEGIES = ("pause", "replay")
@@ -110,21 +109,6 @@ def _gptaq(s: RunSettings) -> None:
         raise ValueError(f"gptaq_alpha={a!r} is out of range: give a finite number >= 0 (0: GPTQ, 1: the closed form)")
     object.__setattr__(s, "gptaq_alpha", float(a))
     _choice("gptaq_form", s.gptaq_form, GPTAQ_FORMS)
-    if s.method != "gptaq":
-        return
-    if s.propagate == "original":
-        raise ValueError(
-            "method='gptaq' fits each layer on the quantized model's inputs against the float model's; with "
-            "propagate='original' both are the float model's and GPTAQ is GPTQ: use propagate='quantized' "
-            "(--propagate quantized), or method='gptq' (--method gptq; GPTAQ is the default)"
-        )
-    if s.moe_calibration == "routed":
-        raise ValueError(
-            "method='gptaq' pairs each token's input to a layer in the float and the quantized model; with "
-            "moe_calibration='routed' an expert's tokens are those its router chose, which differ between the "
-            "two models: use moe_calibration='all' (--moe-calibration all), or method='gptq' (--method gptq; "
-            "GPTAQ is the default)"
-        )
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -238,7 +222,7 @@ class RunSettings:
         _count("seqlen", self.seqlen, minimum=1, optional=True)
         _count("seed", self.seed, minimum=-(2**63))
         _count("batch_size", self.batch_size, minimum=1)
-        _choice("method", self.method, METHODS)
+        methods.get(self.method)  # a registered method's name (the object: ``method_object``)
         _choice("propagate", self.propagate, PROPAGATE)
         _choice("strategy", self.strategy, STRATEGIES)
         put("include", _patterns(self.include, "include"))
@@ -275,6 +259,7 @@ class RunSettings:
         _count("target_check", self.target_check, minimum=0)
         _target_bits(self)
         _gptaq(self)
+        self.method_object.check(self)  # what the method refuses
         parse_size(self.max_shard_size, "max_shard_size")
 
     @classmethod
@@ -286,6 +271,11 @@ class RunSettings:
         if unknown:
             raise TypeError(f"unknown run option(s) {unknown}; the options are RunSettings' fields: {sorted(names)}")
         return cls(**options) if settings is None else dataclasses.replace(settings, **options)
+
+    @property
+    def method_object(self) -> methods.Method:
+        """The method named by ``method``, from the registry (``optq.pipeline.methods``)."""
+        return methods.get(self.method)
 
     @property
     def hessian_budget(self) -> int:

@@ -134,7 +134,7 @@ def quantize(
 
                 apply(run, plan(run, model, memory, (hidden, calls)), report)
             # GPTAQ: the float chain starts where the quantized one does (embeddings stay float).
-            fp = [h.clone() for h in hidden] if s.method == "gptaq" else None
+            fp = [h.clone() for h in hidden] if s.method_object.float_chain else None
             run_blocks(
                 run, memory, memory, (hidden, calls), report, progress=progress and run.dist.rank == 0, fp_hidden=fp
             )

@@ -211,7 +211,7 @@ def _quantize_blocks(
         # GPTAQ: the float chain starts where the quantized one does (embeddings stay float), or
         # where the journal left it.
         fp = None
-        if run.settings.method == "gptaq":
+        if run.settings.method_object.float_chain:
             fp = [h.to(device) for h in journal.activations(fp=True)] if journal.done else [h.clone() for h in hidden]
         if run.settings.offload_activations:
             hidden = journal.offload(hidden)
