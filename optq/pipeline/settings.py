@@ -135,10 +135,12 @@ class RunSettings:
         batch_size: windows per block forward (the weights depend on it only through float
             summation order).
     What and how:
-        method: "gptaq" (the default), "gptq" or "rtn" (round-to-nearest; the report still
-            measures it on H). "gptaq" (``optq.core.gptaq``; chosen on the shift matrix,
-            docs/lab.md section 8) fits each layer to the float model's outputs: it runs
-            a float copy of each block beside the quantized one on the float model's own
+        method: the name of a registered method (``optq.pipeline.methods``; the object is
+            :attr:`method_object`, which also refuses settings it cannot honour): "gptaq" (the
+            default), "gptq" or "rtn" (round-to-nearest; the report still measures it on H).
+            "gptaq" (``optq.core.gptaq``; chosen on the shift matrix, docs/lab.md section 8)
+            fits each layer to the float model's outputs: it runs a float copy of each block
+            beside the quantized one on the float model's own
             activations (a second copy of the activations, one more block in memory, about one
             more block forward per group), not with propagate="original" nor routed experts.
         gptaq_alpha: the scale of GPTAQ's correction (0: GPTQ; 1: the paper's closed form;

@@ -178,7 +178,7 @@ def plan(
         _streams(hidden, calls, ids, held),
         candidates,
         logits,
-        solve,
+        solve=solve,
         fit=_streams(hidden, calls, ids, fit) if solve.reads_hessian else None,
     )
     ranked = sorted(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
