@@ -3,22 +3,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from optq.pipeline import methods
+from optq.pipeline.settings import RunSettings
 
 __all__ = ["add_method_flags", "add_serving_flags"]
 
 
 def add_method_flags(group: Any) -> None:
-    """Add ``--method``, ``--gptaq-alpha`` and ``--gptaq-form`` to an argparse group (the values
-    of ``optq.pipeline.settings``: METHODS, GPTAQ_FORMS and their defaults, not imported here
-    so that building the parser loads no torch)."""
+    """Add ``--method`` (the registered methods, ``optq.pipeline.methods``, and RunSettings'
+    default), ``--gptaq-alpha`` and ``--gptaq-form`` to an argparse group (GPTAQ_FORMS and the
+    defaults of ``optq.pipeline.settings`` restated)."""
+    default = {f.name: f.default for f in dataclasses.fields(RunSettings)}["method"]
     group.add_argument(
         "--method",
-        choices=("gptq", "gptaq", "rtn"),
-        default="gptaq",
-        help="gptaq (default): fit each layer to the float model's outputs (GPTAQ, Li et al. 2025; a float copy "
-        "of each block runs beside it: about 2-3x GPTQ's time, the activations twice; chosen on the shift "
-        "matrix, docs/lab.md section 8); gptq: GPTQ on the quantized model's inputs alone; rtn: round to nearest",
+        choices=methods.names(),
+        default=default,
+        help="; ".join(
+            f"{name}{' (default)' if name == default else ''}: {methods.get(name).help}" for name in methods.names()
+        ),
     )
     group.add_argument(
         "--gptaq-alpha",

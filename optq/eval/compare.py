@@ -22,13 +22,14 @@ from torch import nn
 
 from optq.core.config import QuantConfig
 from optq.eval.perplexity import perplexity_detail
+from optq.pipeline import methods
 
 __all__ = ["Variant", "parse_variant", "compare", "VARIANT_HELP"]
 
 log = logging.getLogger("optq.compare")
 
 VARIANT_HELP = (
-    "fp | rtn | gptq | gptaq (with optq's default settings; gptaq is the default method), each optionally "
+    f"fp | {' | '.join(methods.names())} (with optq's default settings; gptaq is the default method), each optionally "
     "followed by +modifiers: +plain (textbook "
     "GPTQ: no act-order, no token normalisation, H not shrunk), +no_act_order, +no_norm, +act_order (dynamic groups), "
     "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
@@ -47,7 +48,7 @@ class Variant:
     ``settings``: other RunSettings fields (GPTAQ's)."""
 
     name: str
-    method: str  # "fp", "rtn", "gptq" or "gptaq"
+    method: str  # "fp" or a registered method's name (``optq.pipeline.methods``)
     config: QuantConfig | None = None
     propagate: str = "quantized"
     serve: tuple[str, ...] = ()
@@ -58,20 +59,19 @@ class Variant:
 def parse_variant(spec: str, base: QuantConfig) -> Variant:
     """Parse ``gptq+act_order+mse`` style names against ``base`` settings."""
     method, *mods = spec.strip().split("+")
-    if method not in ("fp", "rtn", "gptq", "gptaq"):
-        raise ValueError(f"unknown variant {spec!r}: {VARIANT_HELP}")
     if method == "fp":
         if mods:
             raise ValueError(f"variant 'fp' takes no modifiers, got {spec!r}")
         return Variant(name="fp", method="fp")
+    if method not in methods.names():
+        raise ValueError(f"unknown variant {spec!r}: {VARIANT_HELP}")
+    own = methods.get(method)
     changes: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     propagate = "quantized"
     for mod in mods:
-        if method == "gptaq" and mod.startswith("alpha") and _is_number(mod.removeprefix("alpha")):
-            settings["gptaq_alpha"] = float(mod.removeprefix("alpha"))
-        elif method == "gptaq" and mod == "full":
-            settings["gptaq_form"] = "full"
+        if (setting := own.variant_setting(mod)) is not None:  # the method's own modifiers
+            settings.update(setting)
         elif mod == "act_order":
             changes.update(act_order=True, static_groups=False)
         elif mod == "no_act_order":
@@ -96,13 +96,7 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             changes["diag_shrink"] = float(mod.removeprefix("shrink"))
         else:
             raise ValueError(f"unknown modifier {mod!r} in {spec!r}: {VARIANT_HELP}")
-    if method == "rtn" and (
-        set(mods) & {"act_order", "static_groups", "plain", "no_norm", "original"}
-        or any(m.startswith("shrink") for m in mods)
-    ):
-        raise ValueError(f"{spec!r}: act-order, propagation modes and H shrinking apply to gptq only")
-    if method == "gptaq" and propagate == "original":
-        raise ValueError(f"{spec!r}: gptaq fits the quantized model's inputs to the float model's: not with +original")
+    own.check_variant(spec.strip(), mods, propagate)
     return Variant(
         name=spec.strip(),
         method=method,
@@ -195,12 +189,7 @@ def compare(
         model = base_model() if callable(base_model) and not isinstance(base_model, nn.Module) else None
         model = copy.deepcopy(base_model) if model is None else model
         res = VariantResult(variant=v)
-        if v.method == "rtn":
-            # Round-to-nearest needs no calibration: round each block linear directly.
-            t = time.perf_counter()
-            res.totals = round_to_nearest(model, v.config, v.serve)
-            res.quantize_s = time.perf_counter() - t
-        elif v.method != "fp":
+        if v.method != "fp":  # every method through the pipeline, round-to-nearest too
             t = time.perf_counter()
             report = quantize(
                 model,

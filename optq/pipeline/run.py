@@ -138,7 +138,7 @@ def before_blocks(
     block 0's inputs; with ``target_bits``, choose every target's (bits, group size) now, before
     any weight changes (unless ``report`` already holds the allocation a resumed run recorded);
     start the float chain GPTAQ needs. Returns the hidden states, every block's calls and the
-    float chain (None but with method="gptaq").
+    float chain (None unless the method reads one: GPTAQ).
 
     ``source``: the run's block source (the allocation's passes load blocks through it);
     ``load_head``: makes what the allocation's KL needs beyond the embeddings resident (a streamed
@@ -159,7 +159,7 @@ def before_blocks(
     # GPTAQ: the float chain starts where the quantized one does (embeddings stay float), or
     # where the journal left it.
     fp = None
-    if run.settings.method == "gptaq":
+    if run.settings.method_object.float_chain:
         fp = saved_fp() if saved_fp is not None else [h.clone() for h in hidden]
     return hidden, calls, fp
 

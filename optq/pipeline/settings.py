@@ -29,11 +29,11 @@ from optq.core.gptaq import DEFAULT_ALPHA
 from optq.formats.engines import parse_engines
 from optq.formats.files import parse_size
 from optq.formats.layout import CHECKPOINT_FORMATS
+from optq.pipeline import methods
 from optq.pipeline.schemes import parse_overrides
 
 __all__ = [
     "RunSettings",
-    "METHODS",
     "GPTAQ_FORMS",
     "PROPAGATE",
     "STRATEGIES",
@@ -46,7 +46,6 @@ __all__ = [
     "dtype_name",
 ]
 
-METHODS = ("gptq", "gptaq", "rtn")
 GPTAQ_FORMS = ("paper", "full")
 PROPAGATE = ("quantized", "original")
 STRATEGIES = ("pause", "replay")
@@ -111,21 +110,6 @@ def _gptaq(s: RunSettings) -> None:
         raise ValueError(f"gptaq_alpha={a!r} is out of range: give a finite number >= 0 (0: GPTQ, 1: the closed form)")
     object.__setattr__(s, "gptaq_alpha", float(a))
     _choice("gptaq_form", s.gptaq_form, GPTAQ_FORMS)
-    if s.method != "gptaq":
-        return
-    if s.propagate == "original":
-        raise ValueError(
-            "method='gptaq' fits each layer on the quantized model's inputs against the float model's; with "
-            "propagate='original' both are the float model's and GPTAQ is GPTQ: use propagate='quantized' "
-            "(--propagate quantized), or method='gptq' (--method gptq; GPTAQ is the default)"
-        )
-    if s.moe_calibration == "routed":
-        raise ValueError(
-            "method='gptaq' pairs each token's input to a layer in the float and the quantized model; with "
-            "moe_calibration='routed' an expert's tokens are those its router chose, which differ between the "
-            "two models: use moe_calibration='all' (--moe-calibration all), or method='gptq' (--method gptq; "
-            "GPTAQ is the default)"
-        )
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -152,10 +136,12 @@ class RunSettings:
         batch_size: windows per block forward (the weights depend on it only through float
             summation order).
     What and how:
-        method: "gptaq" (the default), "gptq" or "rtn" (round-to-nearest; the report still
-            measures it on H). "gptaq" (``optq.core.gptaq``; chosen on the shift matrix,
-            docs/lab.md section 8) fits each layer to the float model's outputs: it runs
-            a float copy of each block beside the quantized one on the float model's own
+        method: the name of a registered method (``optq.pipeline.methods``; the object is
+            :attr:`method_object`, which also refuses settings it cannot honour): "gptaq" (the
+            default), "gptq" or "rtn" (round-to-nearest; the report still measures it on H).
+            "gptaq" (``optq.core.gptaq``; chosen on the shift matrix, docs/lab.md section 8)
+            fits each layer to the float model's outputs: it runs a float copy of each block
+            beside the quantized one on the float model's own
             activations (a second copy of the activations, one more block in memory, about one
             more block forward per group), not with propagate="original" nor routed experts.
         gptaq_alpha: the scale of GPTAQ's correction (0: GPTQ; 1: the paper's closed form;
@@ -241,7 +227,7 @@ class RunSettings:
         _count("seqlen", self.seqlen, minimum=1, optional=True)
         _count("seed", self.seed, minimum=-(2**63))
         _count("batch_size", self.batch_size, minimum=1)
-        _choice("method", self.method, METHODS)
+        methods.get(self.method)  # a registered method's name (the object: ``method_object``)
         _choice("propagate", self.propagate, PROPAGATE)
         _choice("strategy", self.strategy, STRATEGIES)
         put("include", _patterns(self.include, "include"))
@@ -278,6 +264,7 @@ class RunSettings:
         _count("target_check", self.target_check, minimum=0)
         _target_bits(self)
         _gptaq(self)
+        self.method_object.check(self)  # what the method refuses
         parse_size(self.max_shard_size, "max_shard_size")
 
     @classmethod
@@ -289,6 +276,11 @@ class RunSettings:
         if unknown:
             raise TypeError(f"unknown run option(s) {unknown}; the options are RunSettings' fields: {sorted(names)}")
         return cls(**options) if settings is None else dataclasses.replace(settings, **options)
+
+    @property
+    def method_object(self) -> methods.Method:
+        """The method named by ``method``, from the registry (``optq.pipeline.methods``)."""
+        return methods.get(self.method)
 
     @property
     def hessian_budget(self) -> int:

@@ -60,6 +60,7 @@ from optq.pipeline.allocation.options import (
 from optq.pipeline.allocation.passes import Gains, Streams, divergence, measure
 from optq.pipeline.blocks.capture import Call
 from optq.pipeline.blocks.prepare import Run
+from optq.pipeline.methods import Method
 from optq.pipeline.schemes import LayerSchemes, resolve
 
 __all__ = ["plan", "apply", "head_logits", "WEIGHTINGS"]
@@ -177,7 +178,8 @@ def plan(
         _streams(hidden, calls, ids, held),
         candidates,
         logits,
-        fit=_streams(hidden, calls, ids, fit) if solve == "gptq" else None,
+        solve=solve,
+        fit=_streams(hidden, calls, ids, fit) if solve.reads_hessian else None,
     )
     ranked = sorted(candidates, key=lambda k: (kl[k], list(candidates).index(k)))
     streams = (_streams(hidden, calls, ids, fit), _streams(hidden, calls, ids, held))
@@ -187,9 +189,9 @@ def plan(
     return _result(run, outcome, sizes, energy, errors, (fit, held, start)), resolved[chosen]
 
 
-def _solve(run: Run) -> str:
-    """How the proxy quantizes a layer (``passes.SOLVES``): as the run's method, GPTQ for GPTAQ."""
-    return "rtn" if run.settings.method == "rtn" else "gptq"
+def _solve(run: Run) -> Method:
+    """How the proxy quantizes a layer: the run's method's proxy (itself; GPTQ for GPTAQ)."""
+    return run.settings.method_object.proxy
 
 
 def _streams(hidden: Sequence[torch.Tensor], calls: Sequence[Sequence[Call]], ids, which: list[int]) -> Streams:
@@ -314,7 +316,7 @@ def _result(run: Run, outcome, sizes, energy, errors, when) -> dict[str, Any]:
 
     windows = sum(int(run.batches[b].shape[0]) for b in held)
     best = candidates[chosen]
-    proxy = {"gptq": "GPTQ on the float model's H", "rtn": "round-to-nearest"}[_solve(run)]
+    proxy = _solve(run).proxy_text
     why = f"target-bits {run.settings.target_bits:g}: allocation {chosen}, the lowest KL to the float model "
     if run_kl:
         why += (

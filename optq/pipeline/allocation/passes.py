@@ -12,12 +12,13 @@ allocation (and once in float): each block runs with the candidate's quantized w
 candidate's stream only; at the end the final norm and the head turn every stream into
 next-token distributions, and each candidate scores the mean KL(float || candidate) per token.
 
-How a layer is quantized in both (``solve``): ``"gptq"``, GPTQ with the layer's own settings
-(act-order, damping, ``diag_shrink``) on the float model's H from the sensitivity windows, one
-factorisation per layer shared by every setting; or ``"rtn"``, round-to-nearest (no H needed).
-GPTQ compensates inside each layer, so the layers where rounding hurts most are not those where
-GPTQ's result hurts most: with ``"rtn"`` the proxy misranked allocations that GPTQ then
-quantized (docs/allocation.md). For ``divergence`` with ``"gptq"`` the sensitivity windows are
+How a layer is quantized in both (``solve``, the run's method's proxy, ``Method.proxy_weights``):
+GPTQ with the layer's own settings (act-order, damping, ``diag_shrink``) on the float model's H
+from the sensitivity windows, one factorisation per layer shared by every setting; or
+round-to-nearest (no H needed). GPTQ compensates inside each layer, so the layers where rounding
+hurts most are not those where GPTQ's result hurts most: with rounding the proxy misranked
+allocations that GPTQ then quantized (docs/allocation.md). For ``divergence`` with a proxy that
+reads H (``Method.reads_hessian``) the sensitivity windows are
 carried through the float model again for H (one float forward per block, no solve kept from
 ``measure``: memory stays one block's). Both read each block once through the run's block
 source and leave its weights as they were.
@@ -32,46 +33,29 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from optq.core import grid, solver
 from optq.core.config import QuantConfig
 from optq.core.hessian import Hessian
 from optq.formats.linears import find_linears, get_weight, set_weight
 from optq.pipeline.blocks.capture import Call, discover_subsets, run_block
 from optq.pipeline.blocks.prepare import Run
+from optq.pipeline.methods import Method
+from optq.pipeline.methods.rtn import rounded as rtn_weight
 
-__all__ = ["rtn_weight", "measure", "divergence", "Streams", "Gains", "SOLVES", "block_targets", "mean_kl", "swapped"]
+__all__ = ["rtn_weight", "measure", "divergence", "Streams", "Gains", "block_targets", "mean_kl", "swapped"]
 
 Setting = tuple[int, int]
-SOLVES = ("gptq", "rtn")
-
-
-def rtn_weight(w: torch.Tensor, config: QuantConfig, setting: Setting) -> torch.Tensor:
-    """``w`` rounded to nearest on its natural groups at ``setting`` (bits, group size)."""
-    cfg = dataclasses.replace(config, bits=setting[0], group_size=setting[1])
-    w = w.float()
-    scale, zero = grid.fit_groups(w, cfg)
-    idx = grid.group_index(w.shape[1], cfg.group_size, w.device).long()
-    return grid.fake_quantize(w, scale[:, idx], zero[:, idx], cfg.maxq)
 
 
 def _quantized(
-    ws: Sequence[torch.Tensor], hess: Hessian | None, config: QuantConfig, settings: Sequence[Setting], solve: str
+    ws: Sequence[torch.Tensor], hess: Hessian | None, config: QuantConfig, settings: Sequence[Setting], solve: Method
 ) -> Iterator[tuple[Setting, list[torch.Tensor]]]:
     """The weights ``ws`` (layers sharing ``hess`` and ``config``) quantized by ``solve`` (see the
     module's doc) at each of ``settings`` in turn: (setting, their float32 weights). Stacked, as
     the run's groups are solved: GPTQ treats rows independently, so one factorisation serves
     every member and setting. GPTQ falls back to rounding where no token reached them."""
-    if solve not in SOLVES:
-        raise ValueError(f"solve must be one of {', '.join(SOLVES)}, got {solve!r}")
     W = torch.cat([w.float() for w in ws])
     rows = [w.shape[0] for w in ws]
-    H = _matrix(hess)
-    factors = solver.factored(W, H, config) if solve == "gptq" and H is not None else None
-    for s in settings:
-        if factors is None:
-            q = rtn_weight(W, config, s)
-        else:
-            q = solver.sweep(W, factors, dataclasses.replace(config, bits=s[0], group_size=s[1]), torch.float32).weight
+    for s, q in zip(settings, solve.proxy_weights(W, _matrix(hess), config, settings)):
         yield s, list(q.split(rows))
 
 
@@ -156,7 +140,7 @@ def measure(
     source,
     streams: Streams,
     options: Mapping[str, Sequence[Setting]],
-    solve: str = "gptq",
+    solve: Method,
     gains: Gains | None = None,
 ) -> tuple[dict[str, dict[Setting, float]], dict[str, float], dict[int, float]]:
     """The objective of every target quantized (by ``solve``) at each of its ``options``
@@ -261,11 +245,13 @@ def divergence(
     streams: Streams,
     allocations: Mapping[str, Mapping[str, Setting]],
     logits: Callable[[torch.Tensor], torch.Tensor],
+    solve: Method,
     fit: Streams | None = None,
 ) -> dict[str, float]:
     """Mean KL(float || candidate) per token of each allocation's quantized model on the windows
-    of ``streams``; ``logits`` maps final hidden states [b, t, h] to logits. With ``fit`` (the
-    sensitivity windows, consumed) layers are quantized by GPTQ on H from them, else rounded."""
+    of ``streams``; ``logits`` maps final hidden states [b, t, h] to logits. Layers are quantized
+    by ``solve``'s proxy weights, on H from ``fit`` (the sensitivity windows, consumed; None: no
+    H, and a proxy that reads H rounds)."""
     fp = list(streams.hidden)
     cand = {k: list(streams.hidden) for k in allocations}
     with torch.no_grad():
@@ -273,7 +259,7 @@ def divergence(
             source.load(i, block)
             linears = block_targets(run, i, block)
             try:
-                quantized = _block_candidates(run, (i, block), linears, allocations, fit)
+                quantized = _block_candidates(run, (i, block), linears, allocations, (solve, fit))
                 fp = [run_block(block, h, c) for h, c in zip(fp, streams.calls[i])]
                 with swapped(linears) as put:
                     for key, allocation in allocations.items():
@@ -285,14 +271,14 @@ def divergence(
         return mean_kl(fp, cand, logits)
 
 
-def _block_candidates(run: Run, where, linears, allocations, fit: Streams | None):
-    """Every (layer, setting) the allocations use in this block, quantized; ``fit`` advanced."""
-    i, block = where
+def _block_candidates(run: Run, where, linears, allocations, how: tuple[Method, Streams | None]):
+    """Every (layer, setting) the allocations use in this block, quantized by ``how`` (the proxy,
+    and the windows of its H); those windows advanced."""
+    (i, block), (solve, fit) = where, how
     hessians = {}
     if fit is not None:
         hessians, fit.hidden = _hessians(run, linears, block, fit, i)
     out: dict[tuple[str, Setting], torch.Tensor] = {}
-    solve = "gptq" if fit is not None else "rtn"
     for members in _shared(run, linears, hessians):
         settings = sorted({a[n] for a in allocations.values() for n in members})
         ws = [get_weight(linears[n]) for n in members]

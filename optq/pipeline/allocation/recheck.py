@@ -43,8 +43,7 @@ log = logging.getLogger("optq.pipeline")
 def needed(run: Run) -> bool:
     """Whether the proxy differs from the run: not for round-to-nearest (rounding does not depend
     on the inputs) nor for GPTQ on the float model's inputs (``propagate="original"``: the proxy)."""
-    s = run.settings
-    return s.method == "gptaq" or (s.method == "gptq" and s.propagate == "quantized")
+    return run.settings.method_object.differs_from_proxy(run.settings)
 
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -72,7 +71,7 @@ def recheck(
 
     fit, held = streams
     bar = tqdm(disable=True)  # quantize_block shows each layer on the run's bar; none here
-    gptaq = run.settings.method == "gptaq"
+    gptaq = run.settings.method_object.float_chain  # the run pairs the float chain with the quantized one
     chains = {k: ([h.clone() for h in fit.hidden], [h.clone() for h in held.hidden]) for k in schemes}
     fp_fit = list(fit.hidden) if gptaq else None  # new lists per block; each candidate takes copies
     fp_held = list(held.hidden)

@@ -61,11 +61,11 @@ def quantize_block(
     linears = find_linears(block, prefix)
     mine = [n for n in linears if n in run.targets]
     release = memory.releaser(run.device)
-    gptaq = run.settings.method == "gptaq"
-    if gptaq and fp_hidden is None:
-        raise ValueError("method='gptaq' needs the float chain's hidden states (fp_hidden)")
+    float_chain = run.settings.method_object.float_chain  # GPTAQ: a float copy of the block there
+    if float_chain and fp_hidden is None:
+        raise ValueError(f"method={run.settings.method!r} needs the float chain's hidden states (fp_hidden)")
     if not mine:
-        for chain in (hidden, fp_hidden) if gptaq else (hidden,):
+        for chain in (hidden, fp_hidden) if float_chain else (hidden,):
             _forward_in_place(block, chain, calls, release)
         return
     work = BlockWork(run, prefix, block, linears, mine, hidden, calls, report, bar, release)
@@ -78,7 +78,7 @@ def quantize_block(
     schedule = capture.discover_subsets(block, linears, mine, hidden, calls, known=known)
     if run.dist.active:  # every rank must run the same groups, whatever its own batches reached
         schedule = _merge_schedules(run.dist, schedule)
-    if gptaq:  # before any weight of the block changes
+    if float_chain:  # before any weight of the block changes
         work.twin = FloatTwin(block, prefix, (schedule.order, mine), fp_hidden, calls)
     stages = plan_stages(block, prefix, schedule, set(mine))
     never = [n for n in schedule.unused if expert_parts(n) is None]
@@ -92,8 +92,8 @@ def quantize_block(
         if experts
         else "several processes"
         if run.dist.active
-        else "gptaq pairs every batch with the float block's"
-        if gptaq
+        else f"{run.settings.method} pairs every batch with the float block's"
+        if float_chain
         else ", ".join(schedule.repeated) + " called more than once per forward"
         if schedule.repeated
         else None
@@ -159,7 +159,7 @@ def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset
         )
     hess.all_reduce(work.run.dist)
     work.release()
-    solve_units(work, [SolveUnit(subset, hess, work.run.settings.method, t0)], k)
+    solve_units(work, [SolveUnit(subset, hess, work.run.settings.method_object, t0)], k)
     work.release()  # the solver's workspace, before the next pass allocates
 
 
@@ -172,7 +172,7 @@ def _paused(work: BlockWork, schedule: capture.Schedule, original: list[torch.Te
             hess = work.new_hessian(subset)
             with naming_inputs(work.prefix, subset):
                 paused.advance(k, hess)
-            solve_units(work, [SolveUnit(subset, hess, work.run.settings.method, t0)], k)
+            solve_units(work, [SolveUnit(subset, hess, work.run.settings.method_object, t0)], k)
         # "original": the paused forwards are abandoned (closing unwinds them); their outputs,
         # computed from partly quantized layers, are not what propagates.
         outputs = original if original is not None else paused.finish()

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from optq.core import gptaq, solver
+from optq.core import solver
 from optq.formats.linears import get_weight, set_weight
 from optq.pipeline.blocks.work import BlockWork, SolveUnit
+from optq.pipeline.methods import ROUNDING
 from optq.pipeline.report import LayerReport
 
 __all__ = ["solve_group", "solve_units"]
@@ -150,22 +151,14 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
     hess, method, report = unit.hessian, unit.method, work.report
     mods = [work.linears[n] for n in subset]
     weights = [get_weight(m) for m in mods]
-    if hess.count == 0 and method != "rtn":
+    if hess.count == 0 and method.reads_hessian:
         raise RuntimeError(f"no calibration tokens reached {subset[0]}")
     H = hess.matrix()
     # Rows of layers sharing an input share H, and GPTQ treats rows independently: one stacked
     # solve equals separate solves, with one factorisation instead of several.
     W = torch.cat(weights, dim=0)  # a copy: the modules are overwritten below
-    W_ref = W  # what the objectives measure Ŵ against: for GPTAQ, its least-squares floor W*
-    try:
-        if method == "gptaq":
-            s = work.run.settings
-            C = hess.cross_matrix()
-            form = {"alpha": s.gptaq_alpha, "full": s.gptaq_form == "full"}
-            sol, W_ref = gptaq.gptaq_with_floor(W, H, C, config, **form)
-            del C
-        else:
-            sol = solver.gptq(W, H, config) if method == "gptq" else solver.rtn(W, config)
+    try:  # W_ref: what the objectives measure Ŵ against (for GPTAQ, its least-squares floor W*)
+        sol, W_ref = method.solve(W, H, hess, config, work.run.settings)
     except solver.FactorizationError as exc:
         names = ", ".join(subset)
         raise solver.FactorizationError(
@@ -179,9 +172,10 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
             report.fallbacks[name] = f"damping raised from {config.damp:g} to {sol.damp:g} to factorise H"
     seconds = time.perf_counter() - unit.started
     # Round-to-nearest is row-wise too: one call on the stacked rows serves every member.
-    rtn_W = solver.rtn(W, config).weight if method != "rtn" else sol.weight
+    rounding = method is ROUNDING  # the report's round-to-nearest columns are then the solution's
+    rtn_W = sol.weight if rounding else solver.rtn(W, config).weight
     objs = _row_objectives(W_ref, sol.weight, H)
-    rtn_objs = objs if method == "rtn" else _row_objectives(W_ref, rtn_W, H)
+    rtn_objs = objs if rounding else _row_objectives(W_ref, rtn_W, H)
     energy = _row_objectives(W_ref, None, H)
     del W_ref
     H_plain = hess.plain_matrix()
@@ -189,7 +183,7 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
         outs, rtn_outs = objs, rtn_objs
     else:
         outs = _row_objectives(W, sol.weight, H_plain)
-        rtn_outs = outs if method == "rtn" else _row_objectives(W, rtn_W, H_plain)
+        rtn_outs = outs if rounding else _row_objectives(W, rtn_W, H_plain)
         del H_plain
     calibration = hess.token_stats()
     row = 0
@@ -200,7 +194,7 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
             float(v[row : row + n].sum()) for v in (objs, rtn_objs, energy, outs, rtn_outs)
         )
         row += n
-        if method != "rtn":
+        if method.reads_hessian:
             part.loss = obj
         report.layers[name] = LayerReport(
             name=name,

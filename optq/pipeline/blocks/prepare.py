@@ -94,8 +94,7 @@ def prepare(
         skipped[name] = "router: kept in float (name it in include to quantize it)"
     if not targets:
         raise ValueError("include/exclude left no linear layer to quantize")
-    if settings.method == "gptaq":
-        _check_gptaq_experts(model, targets)
+    settings.method_object.check_experts(_own_experts(model, targets))
     schemes = resolve(
         linears,
         sorted(targets),
@@ -156,18 +155,12 @@ def prepare(
     return run
 
 
-def _check_gptaq_experts(model: nn.Module, targets: set[str]) -> None:
-    """GPTAQ pairs each token's input in the float and the quantized model: experts must run every
-    token (ExpertLinears, which optq runs itself), not only the tokens their router picks."""
+def _own_experts(model: nn.Module, targets: set[str]) -> list[str]:
+    """The modules holding targeted experts that are the model's own code, not ExpertLinears:
+    optq runs them only on the tokens their router picks, not on every token (which a method
+    pairing each token's input in the float and the quantized model, GPTAQ, refuses)."""
     owners = {p[0] for n in targets if (p := expert_parts(n)) is not None}
-    own = sorted(o for o in owners if not isinstance(model.get_submodule(o), ExpertLinears))
-    if own:
-        raise ValueError(
-            f"method='gptaq' pairs each token's input to an expert in the float and the quantized model, which "
-            f"needs every token through every expert; the experts of {own[0]} are the model's own code, which "
-            "optq cannot run so (only routed tokens reach them): use method='gptq' (--method gptq; GPTAQ is the "
-            "default), or exclude them"
-        )
+    return sorted(o for o in owners if not isinstance(model.get_submodule(o), ExpertLinears))
 
 
 def _float_parameters(blocks_name: str, blocks: nn.ModuleList, skipped: dict[str, str]) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from optq.formats.linears import get_weight
 from optq.pipeline.blocks import capture
 from optq.pipeline.blocks.hessians import LayerHessians
+from optq.pipeline.methods import Method
 from optq.pipeline.report import Report
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ class SolveUnit:
 
     subset: list[str]
     hessian: Any
-    method: str
+    method: Method
     started: float
 
 
@@ -43,7 +44,7 @@ class BlockWork:
     """One block being quantized. ``hidden``/``calls``: its inputs per batch (replaced by its
     outputs at the end); ``mine``: its linears to quantize; ``release``: hands freed memory back
     to the system between passes; ``bar``: the progress bar (its postfix shows the last layer);
-    ``twin``: with method="gptaq", the block's float copy on the float chain (``blocks.twin``)."""
+    ``twin``: for a method on a float chain (GPTAQ), the block's float copy there (``blocks.twin``)."""
 
     run: Run
     prefix: str

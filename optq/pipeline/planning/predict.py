@@ -125,7 +125,7 @@ def plan(
     for i, blk in enumerate(blocks):
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
-    gptaq = s.method == "gptaq"  # a float copy of each block runs every pass on the float chain too
+    gptaq = s.method_object.float_chain  # a float copy of each block runs every pass on the float chain too
     replay = s.strategy == "replay" or gptaq  # GPTAQ pairs every batch with the float block's: it never pauses
     passes = ((2 if replay else 1) + (1 if s.propagate == "original" else 0)) * (1 + gptaq)
 
@@ -291,7 +291,7 @@ class _Tally:
             # Measured on this machine for optq.gptq: the factor, its inverse and the working
             # copies of the stacked rows, in float32.
             solve = (5 * R * K + 4 * K * K) * 4
-            held = hessian_bytes(K, self.schemes.base.normalize_tokens, s.hessian_itemsize, s.method == "gptaq")
+            held = hessian_bytes(K, self.schemes.base.normalize_tokens, s.hessian_itemsize, s.method_object.float_chain)
             parts = expert_parts(mine[0])
             if parts is not None:
                 # An expert stage holds all its experts' Hessians while they are solved, up to
@@ -304,7 +304,7 @@ class _Tally:
             else:
                 self._keep_peak(held, solve)
                 self.hess_flops += 2 * T * K * K
-            self.solve_units += K**3 + R * K * K if s.method != "rtn" else 0
+            self.solve_units += s.method_object.solve_cost(K, R)
         for key, held in stage_hessians.items():
             self._keep_peak(min(held, s.hessian_budget), stage_solve[key])
         params = sum(p.numel() for p in blk.parameters())

@@ -17,6 +17,7 @@ from optq.pipeline.blocks.memo import Memo
 from optq.pipeline.blocks.moe.collect import NoTokens, collect_stage
 from optq.pipeline.blocks.moe.stages import Stage
 from optq.pipeline.blocks.work import BlockWork, SolveUnit, in_features, naming_inputs
+from optq.pipeline.methods import ROUNDING
 from optq.pipeline.report import Report
 
 __all__ = ["ExpertTally", "quantize_stage", "round_starved", "NO_TOKENS"]
@@ -57,7 +58,7 @@ def quantize_stage(work: BlockWork, memo: Memo, stage: Stage, first: int, tally:
     tally.chunks += got.chunks
     tally.forwards += got.forwards
     share = (time.perf_counter() - t0) / len(stage.subsets)  # each expert's part of the passes
-    method = work.run.settings.method
+    method = work.run.settings.method_object
     units, sources = [], []
     for subset in stage.subsets:
         rep = subset[0]
@@ -66,10 +67,11 @@ def quantize_stage(work: BlockWork, memo: Memo, stage: Stage, first: int, tally:
         if hess.count == 0:
             hess = NoTokens(in_features(work.linears[rep]), work.linears[rep].weight.device)
         sources.append(got.sources[rep] if got.hessians[rep].count else NO_TOKENS)
-        units.append(SolveUnit(subset, hess, "rtn" if rtn else method, time.perf_counter() - share))
+        units.append(SolveUnit(subset, hess, ROUNDING if rtn else method, time.perf_counter() - share))
     solve_units(work, units, first)
     for unit, source in zip(units, sources):
-        mark(work.report, unit.subset, source, method != "rtn" and (unit.method == "rtn" or "fallback" in source))
+        fallback = unit.method is not method or "fallback" in source  # rounded instead, or H from elsewhere
+        mark(work.report, unit.subset, source, method.reads_hessian and fallback)
     count = len(units)
     del got, units
     work.release()
@@ -81,13 +83,13 @@ def round_starved(work: BlockWork, names: Sequence[str], first: int) -> int:
     errors measured on H = I; returns how many groups they were."""
     units = [
         SolveUnit(
-            [n], NoTokens(in_features(work.linears[n]), work.linears[n].weight.device), "rtn", time.perf_counter()
+            [n], NoTokens(in_features(work.linears[n]), work.linears[n].weight.device), ROUNDING, time.perf_counter()
         )
         for n in names
     ]
     solve_units(work, units, first)
     for name in names:
-        mark(work.report, [name], NO_TOKENS, work.run.settings.method != "rtn")
+        mark(work.report, [name], NO_TOKENS, work.run.settings.method_object.reads_hessian)
     return len(units)
 
 
