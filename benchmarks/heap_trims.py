@@ -20,15 +20,14 @@ The weights are hashed in each variant: trims change no result, and the script c
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, md_table, weights_sha256
+
 VARIANTS = ("trim", "none", "trim+fixed", "none+fixed")
 
 
@@ -38,7 +37,6 @@ def _cpu(who: int) -> tuple[float, float, int]:
 
 
 def worker(variant: str, layers: int, nsamples: int, seqlen: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     import torch
     import transformers
 
@@ -80,12 +78,9 @@ def worker(variant: str, layers: int, nsamples: int, seqlen: int) -> dict:
     memory.release_host_memory()
     u0, s0, f0 = _cpu(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    report = optq.quantize(model, calib, optq.QuantConfig(bits=4, group_size=128), method="gptq", progress=False)
+    optq.quantize(model, calib, optq.QuantConfig(bits=4, group_size=128), method="gptq", progress=False)
     wall = time.perf_counter() - t0
     u1, s1, f1 = _cpu(resource.RUSAGE_SELF)
-    h = hashlib.sha256()
-    for name in sorted(report.solutions):
-        h.update(report.solutions[name].weight.contiguous().view(torch.uint8).numpy().tobytes())
     return {
         "variant": variant,
         "wall_s": round(wall, 2),
@@ -96,7 +91,7 @@ def worker(variant: str, layers: int, nsamples: int, seqlen: int) -> dict:
         "trims": trims["n"] if variant.startswith("trim") else 0,
         "trim_user_s": round(trims["user"], 3),
         "trim_sys_s": round(trims["sys"], 3),
-        "weights_sha256": h.hexdigest()[:16],
+        "weights_sha256": weights_sha256(model)[:16],
     }
 
 
@@ -121,10 +116,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     assert len({r["weights_sha256"] for r in rows}) == 1, "the trims changed the weights"
     keys = ["variant", "wall_s", "user_s", "sys_s", "minor_faults", "peak_rss_mb", "trims", "trim_user_s", "trim_sys_s"]
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+    print(md_table(keys, [[r[k] for k in keys] for r in rows]))
     result = {"settings": vars(args) | {"worker": None}, "rows": rows}
     (ROOT / "benchmarks" / "results" / "heap_trims.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("float32", "bfloat16"),
         default="float32",
         help="dtype of the model's float parts (norms, activations, KV cache; default float32); bfloat16 "
-        "uses less memory and prefills faster (see the README's Serving on CPU)",
+        "uses less memory and prefills faster (see docs/serving.md)",
     )
     p.add_argument(
         "--reference",
