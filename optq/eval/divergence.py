@@ -106,14 +106,17 @@ def divergence_detail(
         starts = range(0, batches.shape[0], batch_size)
         for start in tqdm(starts, disable=not progress, desc="KL", unit="batch"):
             batch = batches[start : start + batch_size].to(device)
-            for p_logits, q_logits in zip(_row_logits(reference, batch), _row_logits(model, batch), strict=True):
-                if p_logits.shape != q_logits.shape:
+            # Not zip(): it would keep the previous pair alive while making the next.
+            model_rows = _row_logits(model, batch)
+            for p_logits in _row_logits(reference, batch):
+                p = log_probs(p_logits)
+                del p_logits
+                q = log_probs(next(model_rows))
+                if p.shape != q.shape:
                     raise ValueError(
-                        f"the reference model's vocabulary ({p_logits.shape[-1]}) differs from the model's "
-                        f"({q_logits.shape[-1]}): KL needs the same tokens"
+                        f"the reference model's vocabulary ({p.shape[-1]}) differs from the model's "
+                        f"({q.shape[-1]}): KL needs the same tokens"
                     )
-                p, q = log_probs(p_logits), log_probs(q_logits)
-                del p_logits, q_logits
                 per_token.append(kl_terms(p, q).sum(-1).cpu())
                 agree += int((p.argmax(-1) == q.argmax(-1)).sum())
                 del p, q
