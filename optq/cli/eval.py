@@ -83,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)
     except (ModelNotInstalledError, FileNotFoundError, ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from exc
-    reference, ref_name, ref_note = _reference(args, load_model, torch)
-    load_s = time.perf_counter() - started
     try:  # before any text is read: the same check as optq quantize's
         check_seqlen(args.seqlen, max_positions(model))
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    reference, ref_name, ref_note = _reference(args, load_model, torch)
+    load_s = time.perf_counter() - started
     if args.bos == "auto":
         bos_id = eval_bos_id(args.model, tokenizer, getattr(model, "config", None))
     elif args.bos == "yes":
