@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     compare(
-        model,
+        model if args.kl else lambda: copy.deepcopy(model),  # a loader: no KL against fp
         variants,
         calib,
         evaluation,
@@ -109,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
         on_result=show,
-        kl=args.kl,
     )
     result = {
         "model": args.model,

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from optq.data.corpora import CorpusError
-    from optq.data.tokens import load_tokens
+    from optq.data.tokens import eval_windows, load_tokens
     from optq.data.zoo import ModelNotInstalledError, eval_bos_id, load_model
     from optq.eval.divergence import FIELDS, divergence_detail
     from optq.eval.perplexity import NonFiniteLogitsError, perplexity_detail
@@ -128,13 +128,11 @@ def run(args: argparse.Namespace) -> int:
         div = dict.fromkeys(FIELDS)
         if reference is not None:
             try:
+                windows = eval_windows(tokens, args.seqlen, args.windows or None, bos_id)  # perplexity's
                 d = divergence_detail(
                     reference,
                     model,
-                    tokens,
-                    seqlen=args.seqlen,
-                    windows=args.windows or None,
-                    bos_id=bos_id,
+                    windows,
                     batch_size=args.batch_size,
                     progress=not args.no_progress,
                     device=args.device,

@@ -156,7 +156,7 @@ class VariantResult:
             "config": v.config.to_dict() if v.config else None,
             "settings": dict(v.settings),
             "perplexity": self.perplexity,
-            # per corpus; None: not measured (no fp model in memory, or kl=False)
+            # per corpus; None: not measured (no fp model in memory)
             **{f: {c: getattr(d, f) for c, d in self.divergence.items()} or None for f in FIELDS},
             "detail": self.detail,
             "quantize_s": self.quantize_s,
@@ -174,7 +174,6 @@ def compare(
     device: torch.device | str | None = None,
     progress: bool = True,
     on_result: Callable[[VariantResult, nn.Module], None] | None = None,
-    kl: bool = True,
 ) -> list[VariantResult]:
     """Quantize a fresh copy of ``base_model`` per variant and evaluate each on ``evaluation``.
 
@@ -187,10 +186,11 @@ def compare(
             already placed where the model needs it).
         on_result: called with (result, quantized model) after each variant, e.g. to print a
             row as soon as it is known or to save the model.
-        kl: also measure each variant's KL(fp || variant) per token and top-token agreement on
-            the same windows (``optq.eval.divergence``: one more forward of the fp model and of
-            the variant per batch) when ``base_model`` is a model (a loader keeps no fp model in
-            memory: then none is measured). fp's own row is 0 and 1.0 by definition.
+
+    When ``base_model`` is a model (not a loader, which keeps no fp model in memory), each
+    variant's KL(fp || variant) per token and top-token agreement are measured too, on the same
+    windows (``optq.eval.divergence``: one more forward of the fp model and of the variant per
+    batch); fp's own row is 0 and 1.0 by definition.
     """
     from optq.core.memory import release_host_memory
     from optq.pipeline.run import quantize  # the pipeline pulls in transformers-aware code
@@ -225,7 +225,7 @@ def compare(
             res.perplexity[corpus] = d.perplexity
             res.detail[corpus] = d.to_dict()
             log.info("%s on %s: perplexity %.3f", v.name, corpus, d.perplexity)
-            if kl and isinstance(base_model, nn.Module):
+            if isinstance(base_model, nn.Module):
                 res.divergence[corpus] = (
                     SAME
                     if v.method == "fp"

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from optq.data.tokens import eval_windows
 from optq.eval.perplexity import _HEAD_ROWS, _device_of, _logits, _plain_head
 from optq.pipeline.allocation.passes import kl_terms, log_probs
 
@@ -73,25 +72,19 @@ def quantile(values: torch.Tensor, q: float) -> float:
 def divergence_detail(
     reference: torch.nn.Module,
     model: torch.nn.Module,
-    tokens: torch.Tensor,
+    windows: torch.Tensor,
     *,
-    seqlen: int = 512,
-    windows: int | None = None,
-    bos_id: int | None = None,
     batch_size: int = 1,
     progress: bool = False,
     device: str | torch.device | None = None,
 ) -> DivergenceResult:
     """KL(reference || model) per predicted token (mean and 99th percentile) and the share of
-    positions where both models' top tokens agree, on the windows :func:`~optq.eval.perplexity.
-    perplexity_detail` reads from the same arguments (``tokens``: 1-D text or ready windows
-    [W, L]). Both models run in eval mode on ``device`` (default: ``model``'s). Raises
-    ValueError when their vocabularies differ."""
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
-    if tokens.dim() == 2 and tokens.shape[0] > 1:
-        batches = tokens if windows is None else tokens[:windows]
-    else:
-        batches = eval_windows(tokens, seqlen, windows, bos_id)
+    positions where both models' top tokens agree, on token ``windows`` [W, L] (for text, those
+    :func:`optq.data.tokens.eval_windows` cuts, as perplexity's). Both models run in eval mode on
+    ``device`` (default: ``model``'s). Raises ValueError when their vocabularies differ."""
+    batches = torch.as_tensor(windows, dtype=torch.long)
+    if batches.dim() != 2:
+        raise ValueError(f"windows must be [windows, tokens], got shape {tuple(batches.shape)}")
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if batches.shape[1] < 2:

@@ -24,7 +24,7 @@ def _eval(model, data, out, *extra):
 
 
 def test_eval_finds_the_float_model_in_the_report_and_writes_kl(model_dir, checkpoint, tmp_path, capsys):
-    from optq.data.tokens import load_tokens
+    from optq.data.tokens import eval_windows, load_tokens
     from optq.data.zoo import load_model
     from optq.eval.divergence import divergence_detail
 
@@ -39,7 +39,7 @@ def test_eval_finds_the_float_model_in_the_report_and_writes_kl(model_dir, check
     # the same numbers as the library's on the same windows of the same text
     q, tok = load_model(checkpoint)
     fp, _ = load_model(model_dir / "model")
-    d = divergence_detail(fp, q, load_tokens(str(calib), tok, "eval"), seqlen=16, windows=3)
+    d = divergence_detail(fp, q, eval_windows(load_tokens(str(calib), tok, "eval"), 16, 3))
     assert (row["kl"], row["kl_p99"], row["top1"]) == pytest.approx((d.kl, d.kl_p99, d.top1))
     assert d.tokens == row["tokens"]  # perplexity's predicted tokens, the same windows
     # --reference none: perplexity only, the fields null
