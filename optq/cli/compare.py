@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -49,6 +50,13 @@ def register(subparsers: Any) -> None:
         "--json", type=Path, help="write the results here (default compare.json)", default=Path("compare.json")
     )
     c.add_argument("--plot", type=Path, help="write a PNG bar chart here (default: beside --json)")
+    c.add_argument(
+        "--no-kl",
+        dest="kl",
+        action="store_false",
+        help="skip KL(fp || variant) and top-token agreement (they cost one more forward of fp and "
+        "of the variant per evaluation window)",
+    )
     c.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -94,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     compare(
-        model,
+        model if args.kl else lambda: copy.deepcopy(model),  # a loader: no KL against fp
         variants,
         calib,
         evaluation,
@@ -126,10 +134,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(rows: list[dict[str, Any]], corpora: list[str]) -> str:
-    """Perplexity per corpus and its increase over fp (when an fp row is present)."""
+    """Perplexity per corpus and its increase over fp (when an fp row is present); with KL measured,
+    per corpus too: the mean KL(fp || variant) per token, its 99th percentile and the top-1
+    agreement with fp."""
     fp = next((r["perplexity"] for r in rows if r["method"] == "fp"), None)
+    kl = any(r.get("kl") for r in rows)
     width = max(12, *(len(r["name"]) + 2 for r in rows))
-    head = f"{'variant':<{width}}" + "".join(f"{c:>22}" for c in corpora) + f"{'quantize s':>12}"
+    extra = f"{'KL':>9}{'KL p99':>9}{'top1':>8}" if kl else ""
+    head = f"{'variant':<{width}}" + "".join(f"{c:>22}{extra}" for c in corpora) + f"{'quantize s':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
@@ -137,6 +149,10 @@ def table(rows: list[dict[str, Any]], corpora: list[str]) -> str:
             ppl = r["perplexity"][c]
             delta = f" (+{ppl - fp[c]:.2f})" if fp and r["method"] != "fp" else ""
             cells.append(f"{ppl:>12.3f}{delta:>10}")
+            if kl and r.get("kl"):
+                cells.append(f"{r['kl'][c]:>9.4f}{r['kl_p99'][c]:>9.3f}{r['top1'][c]:>8.1%}")
+            elif kl:
+                cells.append(f"{'-':>9}{'-':>9}{'-':>8}")
         lines.append(f"{r['name']:<{width}}" + "".join(cells) + f"{r['quantize_s']:>12.1f}")
     return "\n".join(lines)
 

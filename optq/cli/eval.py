@@ -1,4 +1,5 @@
-"""``optq eval``: perplexity of a model on named corpora or text files."""
+"""``optq eval``: perplexity of a model on named corpora or text files, and its KL divergence and
+top-token agreement against the float model it was quantized from."""
 
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl files")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument(
+        "--reference",
+        default="auto",
+        metavar="MODEL",
+        help="the float model to measure KL(float || model) and top-token agreement against, on the "
+        "same windows; auto (default): the model an optq checkpoint's quantization_report.json names "
+        "(none for other models); none: perplexity only",
+    )
     p.add_argument("--json", type=Path, help="also write the results to this JSON file")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
@@ -54,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from optq.data.corpora import CorpusError
-    from optq.data.tokens import load_tokens
+    from optq.data.tokens import eval_windows, load_tokens
     from optq.data.zoo import ModelNotInstalledError, eval_bos_id, load_model
+    from optq.eval.divergence import FIELDS, divergence_detail
     from optq.eval.perplexity import NonFiniteLogitsError, perplexity_detail
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
 
@@ -73,11 +83,12 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(args.model, dtype=torch.float32, device=args.device)
     except (ModelNotInstalledError, FileNotFoundError, ValueError, RuntimeError) as exc:
         raise CliError(str(exc)) from exc
-    load_s = time.perf_counter() - started
     try:  # before any text is read: the same check as optq quantize's
         check_seqlen(args.seqlen, max_positions(model))
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    reference, ref_name, ref_note = _reference(args, load_model, torch)
+    load_s = time.perf_counter() - started
     if args.bos == "auto":
         bos_id = eval_bos_id(args.model, tokenizer, getattr(model, "config", None))
     elif args.bos == "yes":
@@ -114,24 +125,45 @@ def run(args: argparse.Namespace) -> int:
                 f"perplexity on {name} is {result.perplexity}: the mean NLL of "
                 f"{result.mean_nll:.4g} nats overflows; the checkpoint may be corrupt"
             )
+        div = dict.fromkeys(FIELDS)
+        if reference is not None:
+            try:
+                windows = eval_windows(tokens, args.seqlen, args.windows or None, bos_id)  # perplexity's
+                d = divergence_detail(
+                    reference,
+                    model,
+                    windows,
+                    batch_size=args.batch_size,
+                    progress=not args.no_progress,
+                    device=args.device,
+                )
+            except ValueError as exc:
+                raise CliError(f"{name}: KL against {ref_name}: {exc}") from exc
+            div = {f: getattr(d, f) for f in FIELDS}
         rows.append(
             {
                 "corpus": name,
                 "part": args.part,
                 "text_tokens": int(tokens.numel()),
                 **result.to_dict(),
+                **div,
                 "seconds": round(time.perf_counter() - t0, 2),
             }
         )
     print(f"model {args.model}   seqlen {args.seqlen}   BOS per window: {'yes' if bos_id is not None else 'no'}")
-    print(f"{'corpus':<22} {'windows':>7} {'tokens':>9} {'perplexity':>11} {'seconds':>8}")
+    if ref_note:
+        print(ref_note)
+    kl_head = f" {'KL':>8} {'KL p99':>8} {'top1':>7}" if reference is not None else ""
+    print(f"{'corpus':<22} {'windows':>7} {'tokens':>9} {'perplexity':>11}{kl_head} {'seconds':>8}")
     for r in rows:
-        print(f"{r['corpus']:<22} {r['windows']:>7} {r['tokens']:>9} {r['perplexity']:>11.3f} {r['seconds']:>8.1f}")
+        kl = f" {r['kl']:>8.4f} {r['kl_p99']:>8.3f} {r['top1']:>7.1%}" if reference is not None else ""
+        print(f"{r['corpus']:<22} {r['windows']:>7} {r['tokens']:>9} {r['perplexity']:>11.3f}{kl} {r['seconds']:>8.1f}")
     if args.json:
         payload = {
             "model": str(args.model),
             "seqlen": args.seqlen,
             "bos_id": bos_id,
+            "reference": ref_name,  # the float model of kl, kl_p99, top1 (None: not measured)
             "load_seconds": round(load_s, 2),
             "results": rows,
         }
@@ -139,3 +171,36 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _reference(args: argparse.Namespace, load_model, torch) -> tuple[object, str | None, str | None]:
+    """(the float reference model or None, its name, a line saying why there is none, or None).
+
+    ``--reference MODEL`` that cannot be loaded is an error; the model ``auto`` finds in an optq
+    checkpoint's report (its ``options.model``, as given to ``optq quantize``), when it cannot be
+    loaded from here, leaves the KL columns out and says why."""
+    name = args.reference
+    if name == "none":
+        return None, None, None
+    if name == "auto":
+        folder = Path(args.model)
+        try:
+            options = json.loads((folder / "quantization_report.json").read_text()).get("options", {})
+        except (OSError, ValueError, AttributeError):
+            options = None
+        name = options.get("model") if isinstance(options, dict) else None
+        if not name:
+            why = "is not an optq checkpoint" if options is None else "has a report naming no source model"
+            return None, None, f"no KL against a float model: {args.model} {why} (--reference MODEL names one)"
+    try:
+        model, _ = load_model(name, dtype=torch.float32, device=args.device)
+    except Exception as exc:  # noqa: BLE001 - any failure to load the reference is said, in one line
+        if args.reference != "auto":
+            raise CliError(f"--reference {name}: {exc}") from exc
+        return (
+            None,
+            None,
+            f"no KL: the float model the checkpoint names, {name}, cannot be loaded here ({exc}); "
+            "give --reference MODEL",
+        )
+    return model, str(name), None

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
+from optq.eval.divergence import FIELDS, SAME, divergence_detail
 from optq.eval.perplexity import perplexity_detail
 from optq.pipeline import methods
 
@@ -134,11 +135,14 @@ def round_to_nearest(model: nn.Module, config: QuantConfig, serve: Sequence[str]
 
 @dataclass
 class VariantResult:
-    """Perplexities (per evaluation corpus) and quantization cost of one variant."""
+    """Perplexities (per evaluation corpus) and quantization cost of one variant; ``divergence``:
+    per corpus, KL(fp || variant) and top-token agreement (``DivergenceResult``; empty without
+    an fp reference)."""
 
     variant: Variant
     perplexity: dict[str, float] = field(default_factory=dict)
     detail: dict[str, dict[str, Any]] = field(default_factory=dict)
+    divergence: dict[str, Any] = field(default_factory=dict)
     quantize_s: float = 0.0
     totals: dict[str, Any] = field(default_factory=dict)
     report: Any = None  # the pipeline's Report (with solutions), not serialised
@@ -152,6 +156,8 @@ class VariantResult:
             "config": v.config.to_dict() if v.config else None,
             "settings": dict(v.settings),
             "perplexity": self.perplexity,
+            # per corpus; None: not measured (no fp model in memory)
+            **{f: {c: getattr(d, f) for c, d in self.divergence.items()} or None for f in FIELDS},
             "detail": self.detail,
             "quantize_s": self.quantize_s,
             "report_totals": self.totals,
@@ -180,6 +186,11 @@ def compare(
             already placed where the model needs it).
         on_result: called with (result, quantized model) after each variant, e.g. to print a
             row as soon as it is known or to save the model.
+
+    When ``base_model`` is a model (not a loader, which keeps no fp model in memory), each
+    variant's KL(fp || variant) per token and top-token agreement are measured too, on the same
+    windows (``optq.eval.divergence``: one more forward of the fp model and of the variant per
+    batch); fp's own row is 0 and 1.0 by definition.
     """
     from optq.core.memory import release_host_memory
     from optq.pipeline.run import quantize  # the pipeline pulls in transformers-aware code
@@ -214,6 +225,14 @@ def compare(
             res.perplexity[corpus] = d.perplexity
             res.detail[corpus] = d.to_dict()
             log.info("%s on %s: perplexity %.3f", v.name, corpus, d.perplexity)
+            if isinstance(base_model, nn.Module):
+                res.divergence[corpus] = (
+                    SAME
+                    if v.method == "fp"
+                    else divergence_detail(
+                        base_model, model, windows, batch_size=batch_size, progress=progress, device=device
+                    )
+                )
         results.append(res)
         if on_result is not None:
             on_result(res, model)

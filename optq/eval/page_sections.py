@@ -250,6 +250,11 @@ def quality_section(evaluations: Sequence[tuple[Path, Any]], figures: Any) -> st
                 f"tokens per corpus; in brackets the increase over fp. Calibrated on "
                 f"{html.escape(str(calib))}, {data.get('nsamples')} x {data.get('seqlen')} tokens.</p>"
             )
+            if any(v.get("kl") for v in variants):  # KL from fp: after the perplexities, per corpus
+                head += [h for c in corpora for h in (f"KL {c}", "KL p99", "top-1")]
+                for cells, v in zip(rows, variants, strict=True):
+                    cells += _divergence_cells(v, corpora)
+                out.append(f"<p>{KL_NOTE}</p>")
             out.append(html_table(head, rows))
             if figures is not None and corpora:
                 out.append(
@@ -259,12 +264,43 @@ def quality_section(evaluations: Sequence[tuple[Path, Any]], figures: Any) -> st
                     "does not show it.</figcaption></figure>"
                 )
         elif "results" in data:
+            results = data["results"]
+            kl = any(r.get("kl") is not None for r in results)
+            extra = [f"KL (vs {data.get('reference')})", "KL p99", "top-1 agreement"] if kl else []
             out.append(
                 html_table(
-                    ["corpus", "windows", "tokens", "perplexity"],
-                    [(r["corpus"], r.get("windows"), r.get("tokens"), r["perplexity"]) for r in data["results"]],
+                    ["corpus", "windows", "tokens", "perplexity", *extra],
+                    [
+                        (r["corpus"], r.get("windows"), r.get("tokens"), r["perplexity"])
+                        + ((r.get("kl"), r.get("kl_p99"), _share(r.get("top1"))) if kl else ())
+                        for r in results
+                    ],
                 )
             )
+            if kl:
+                out.append(f"<p>{KL_NOTE}</p>")
         else:
             out.append(f"<p>{html.escape(path.name)} is neither a comparison nor an evaluation result.</p>")
     return "\n".join(out)
+
+
+KL_NOTE = (
+    "KL: the mean KL(fp || quantized) per predicted token, in nats, on the same windows as the "
+    "perplexity (0: the same next-token distributions); KL p99: its 99th percentile over the tokens; "
+    "top-1 agreement: the share of positions whose most likely next token is fp's."
+)
+
+
+def _share(v: Any) -> str | None:
+    return None if v is None else f"{100 * v:.2f}%"
+
+
+def _divergence_cells(variant: dict[str, Any], corpora: Sequence[str]) -> list[Any]:
+    """Per corpus: mean KL from fp, its 99th percentile, top-1 agreement (blank where not measured)."""
+    cells: list[Any] = []
+    for c in corpora:
+        if variant.get("kl") and c in variant["kl"]:
+            cells += [variant["kl"][c], variant["kl_p99"][c], _share(variant["top1"][c])]
+        else:
+            cells += [None, None, None]
+    return cells

@@ -41,7 +41,18 @@ from optq.pipeline.blocks.prepare import Run
 from optq.pipeline.methods import Method
 from optq.pipeline.methods.rtn import rounded as rtn_weight
 
-__all__ = ["rtn_weight", "measure", "divergence", "Streams", "Gains", "block_targets", "mean_kl", "swapped"]
+__all__ = [
+    "rtn_weight",
+    "measure",
+    "divergence",
+    "Streams",
+    "Gains",
+    "block_targets",
+    "mean_kl",
+    "log_probs",
+    "kl_terms",
+    "swapped",
+]
 
 Setting = tuple[int, int]
 
@@ -218,17 +229,29 @@ def _alone(block, linears, base, inputs, alone: dict[int, list[torch.Tensor]], i
     return out
 
 
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities of ``logits`` (float32 over the last dimension)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def kl_terms(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The terms of KL(P || Q) from log-probabilities ``p``, ``q`` (:func:`log_probs`): exp(p)(p - q),
+    elementwise; summed over the last dimension, each position's KL in nats. optq's one KL:
+    ``--target-bits`` (:func:`mean_kl`) and ``optq eval``/``compare`` (``optq.eval.divergence``)."""
+    return p.exp() * (p - q)
+
+
 def mean_kl(fp: Sequence[torch.Tensor], streams: Mapping, logits) -> dict:
     """Mean KL(float || stream) per token at the head, for each of ``streams`` (by key)."""
     total = {k: 0.0 for k in streams}
     count = 0
     for b, h in enumerate(fp):
         for w in range(h.shape[0]):  # one window at a time: vocab-sized logits are large
-            p = torch.log_softmax(logits(h[w : w + 1]).float(), dim=-1)
+            p = log_probs(logits(h[w : w + 1]))
             count += p.shape[-2] * p.shape[0]
             for k, hidden in streams.items():
-                q = torch.log_softmax(logits(hidden[b][w : w + 1]).float(), dim=-1)
-                total[k] += float((p.exp() * (p - q)).sum())
+                q = log_probs(logits(hidden[b][w : w + 1]))
+                total[k] += float(kl_terms(p, q).sum())
     return {k: v / max(count, 1) for k, v in total.items()}
 
 
