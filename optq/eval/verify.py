@@ -174,10 +174,11 @@ def _decode_optq(exact: bool) -> Callable[..., dict[str, Any]]:
     return decode
 
 
-TRANSFORMERS_INSTALL = {
-    "gptq": "pip install gptqmodel optimum  (GPTQModel's wheel needs a CUDA torch; see docs/verify.md)",
-    "compressed-tensors": "pip install compressed-tensors",
-}
+# quant_method -> the module transformers loads it with, and the command that installs it.
+TRANSFORMERS_LOADERS = (
+    ("gptq", "gptqmodel", "pip install gptqmodel optimum  (GPTQModel's wheel needs a CUDA torch; see docs/verify.md)"),
+    ("compressed-tensors", "compressed_tensors", "pip install compressed-tensors"),
+)
 
 
 def _decode_transformers(folder: Path, prompts: list[list[int]], n: int, k: int, options: dict[str, Any]):
@@ -186,11 +187,11 @@ def _decode_transformers(folder: Path, prompts: list[list[int]], n: int, k: int,
 
     qc = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     method = qc.get("quant_method", "gptq")
-    needs = {"gptq": "gptqmodel", "compressed-tensors": "compressed_tensors"}.get(method)
-    if needs is None:
+    loader = next((entry for entry in TRANSFORMERS_LOADERS if entry[0] == method), None)
+    if loader is None:
         raise EngineSkipped(f"transformers has no loader optq knows for quant_method {method!r}")
-    if importlib.util.find_spec(needs) is None:
-        raise EngineSkipped(f"{needs} is not installed: {TRANSFORMERS_INSTALL[method]}")
+    if importlib.util.find_spec(loader[1]) is None:
+        raise EngineSkipped(f"{loader[1]} is not installed: {loader[2]}")
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     load_s = time.perf_counter() - start
