@@ -160,7 +160,7 @@ def _decode_optq(exact: bool) -> Callable[..., dict[str, Any]]:
 
         start = time.perf_counter()
         if exact:
-            model = exact_path(load(folder, dtype=torch.float32, embeddings="model"))
+            model = exact_path(load(folder, dtype=torch.float32, embeddings="model", fast_path=False))
             kernel = "reference dequantize, float32"
         else:
             model = load(folder)  # the default: float32 activations, bfloat16 embeddings, fast CPU kernels

@@ -159,3 +159,24 @@ def test_prompt_file_one_prompt_per_line(tmp_path: Path) -> None:
     path = tmp_path / "prompts.txt"
     path.write_text("first prompt \n\n  second\n")
     assert probes.read_prompts(path) == ["first prompt", "second"]
+
+
+def test_exact_dequantizes_bit_for_bit_like_quantlinear(streamed: Path) -> None:
+    from optq.formats.probes import _dequantize
+
+    layers = [m for m in load(streamed, embeddings="model", fast_path=False).modules() if isinstance(m, QuantLinear)]
+    assert layers and all(torch.equal(_dequantize(q), q.dequantize(torch.float32)) for q in layers)
+
+
+def test_exact_dequantizes_asymmetric_act_order_3_bit_layers_alike(tmp_path: Path) -> None:
+    from optq.formats.probes import _dequantize
+
+    model = build("llama")
+    config = optq.QuantConfig(bits=3, group_size=16, sym=False, act_order=True, static_groups=False)
+    report = optq.quantize(model, tokens(n=6, seqlen=16), config, method="gptq", progress=False)
+    optq.save(model, tmp_path / "q", solutions=report.solutions, format="gptq_v2")
+    layers = [
+        m for m in load(tmp_path / "q", embeddings="model", fast_path=False).modules() if isinstance(m, QuantLinear)
+    ]
+    assert any(not torch.equal(q.g_idx.long().sort().values, q.g_idx.long()) for q in layers)  # act-order: unsorted
+    assert all(torch.equal(_dequantize(q), q.dequantize(torch.float32)) for q in layers)
