@@ -259,8 +259,9 @@ def _available() -> int | None:
 
 def record_into(folder: str | Path, prompts: Sequence[str] | None = None, tokenizer: Any = None) -> Path | None:
     """Record and write the probes of the checkpoint ``folder`` when it has a tokenizer (or
-    ``tokenizer`` is given) and its float32 model fits in memory twice over; else log why not
-    and return None. The path written otherwise."""
+    ``tokenizer`` is given) and its float32 model fits in memory twice over; else, or when the
+    recording fails (a warning names the error), write nothing and return None. The path
+    written otherwise."""
     folder = Path(folder)
     tokenizer = tokenizer if tokenizer is not None else _tokenizer(folder)
     if tokenizer is None:
@@ -276,4 +277,9 @@ def record_into(folder: str | Path, prompts: Sequence[str] | None = None, tokeni
             free / 1e9,
         )
         return None
-    return write(folder, record(folder, tokenizer, prompts))
+    try:
+        probes = record(folder, tokenizer, prompts)
+    except Exception as exc:  # the checkpoint stays valid without it: say why, do not fail the write
+        log.warning("%s: no %s written, recording failed: %s: %s", folder, PROBES_FILE, type(exc).__name__, exc)
+        return None
+    return write(folder, probes)
