@@ -125,3 +125,21 @@ def test_a_bad_probe_prompts_file_is_refused_before_work(model_dir, capsys, tmp_
     code = main(quantize_args(model_dir, tmp_path / "out", "--probe-prompts", str(bad)))
     assert code == 2 and f"{bad}: no prompt in it" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_transformers_with_compressed_tensors_agrees(model_dir, capsys, tmp_path):
+    out = tmp_path / "ct"
+    assert (
+        main(quantize_args(model_dir, out, "--bits", "4", "--group-size", "16", "--format", "compressed-tensors")) == 0
+    )
+    code, text, _ = _verify(capsys, str(out), "--engines", "transformers")
+    if importlib.util.find_spec("compressed_tensors") is None:
+        assert (
+            code == 0
+            and "transformers: skipped: compressed_tensors is not installed: pip install compressed-tensors" in text
+        )
+        return
+    assert code == 0, text
+    row = next(line.split() for line in text.splitlines() if line.startswith("transformers "))
+    assert row[1] == "agree" and row[2] == "4/4"  # the 4 built-in prompts
+    assert "transformers: kernel: compressed-tensors:" in text
