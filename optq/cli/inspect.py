@@ -102,6 +102,20 @@ def _method(report: dict | None) -> str:
     return f" by {method}" + (f" (H shrunk {shrink:g} toward its diagonal)" if shrink else "")
 
 
+def _probes_line(folder: Path) -> str:
+    """What the folder's optq_probes.json records (optq verify's expected outputs), or that it has none."""
+    from optq.formats.probes import PROBES_FILE, read
+
+    try:
+        probes = read(folder)
+    except ValueError as exc:
+        return f"expected outputs: unreadable ({exc})"
+    if probes is None:
+        return f"expected outputs: none ({PROBES_FILE} absent: `optq verify` has nothing to compare)"
+    n, k = len(probes["prompts"]), probes.get("top_k")
+    return f"expected outputs: {PROBES_FILE}, {n} prompts x {probes.get('new_tokens')} greedy tokens, top-{k} logprobs"
+
+
 def _report(folder: Path) -> tuple[dict | None, str | None]:
     """The folder's quantization_report.json (None when absent), and why it could not be read."""
     path = folder / "quantization_report.json"
@@ -230,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  expert weights left in float ({shown}) run unquantized on every engine")
     if unreadable:
         print(f"note: {unreadable}")
+    print(_probes_line(folder))
     print()
     for line in _by_kind(shapes, index, prefixes):
         print(line)

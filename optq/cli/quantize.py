@@ -191,6 +191,7 @@ def register(subparsers: Any) -> None:
         help="keep the calibration activations in a memory-mapped file in OUT.partial/ "
         "instead of RAM (for nsamples x seqlen x hidden larger than memory; CPU only)",
     )
+    o.add_argument("--probe-prompts", type=Path, metavar="FILE", help="probe prompts, one a line (docs/verify.md)")
     o.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT.partial/ (same flags)")
     o.add_argument(
         "--overwrite", action="store_true", help="replace OUT if it exists, and start an unfinished OUT.partial/ again"
@@ -323,9 +324,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.dry_run:
         check_output(out, args.overwrite)
     from optq.data.tokens import split_sources
+    from optq.formats.probes import read_prompts
 
     for source in split_sources(args.calib):
         check_text_source(source)
+    probes = True if args.probe_prompts is None else read_prompts(args.probe_prompts)  # a bad file: exit 2
 
     import torch
 
@@ -363,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
             provenance=provenance,
+            probes=probes,
         )
     except Exception as exc:
         raise_with_leftover(exc, out)  # when OUT.partial/ stays, the error says so

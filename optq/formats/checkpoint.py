@@ -37,6 +37,7 @@ from optq.formats.files import write_json, write_safetensors
 from optq.formats.gptq_config import CheckpointError, quantized_layers
 from optq.formats.layout import CHECKPOINT_FORMATS, Scheme, quantization_config
 from optq.formats.loading import load
+from optq.formats.probes import record_into
 from optq.formats.qlinear import QuantLinear
 
 __all__ = ["save", "load", "CheckpointError", "quantized_layers", "layer_namer"]
@@ -101,7 +102,10 @@ def save(
     "gptq_v2" (zero points as is; needed for asymmetric zero points of 0) or
     "compressed-tensors" (pack-quantized). Writes ``config.json`` with ``quantization_config``,
     ``quantize_config.json`` (GPTQ formats), safetensors (sharded with an index above
-    ``max_shard_size``), tokenizer files and ``quantization_report.json`` when given. Everything
+    ``max_shard_size``), tokenizer files and ``quantization_report.json`` when given; with a
+    ``tokenizer``, ``optq_probes.json`` too (the outputs of the built-in probe prompts on the exact
+    reference path, read back from the written files: :mod:`optq.formats.probes`; other prompts:
+    ``probes.write(folder, probes.record(folder, tok, prompts))`` afterwards). Everything
     is written to a temporary folder beside ``folder`` and renamed at the end.
 
     Tensor names, and the module names in ``quantization_config`` (compressed-tensors'
@@ -148,6 +152,8 @@ def save(
             tokenizer.save_pretrained(tmp)
         if report is not None:
             write_json(tmp / REPORT_FILE, report if isinstance(report, dict) else report.to_dict())
+        if tokenizer is not None:  # what the written files compute, read back from them
+            record_into(tmp, tokenizer=tokenizer)
     log.info("saved %d quantized layers (%s) to %s", len(layers), format, folder)
     _warn_refused(layers, scheme, module_name, format, folder)
     return folder

@@ -58,6 +58,7 @@ def load(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     embeddings: str = "bfloat16",
+    fast_path: bool = True,
 ) -> nn.Module:
     """Load a checkpoint written by :func:`~optq.formats.checkpoint.save` (or any GPTQ /
     pack-quantized one) as a model.
@@ -69,6 +70,8 @@ def load(
     :class:`CheckpointError`. Other weights are cast to ``dtype``. ``embeddings`` stores the token
     embedding and a float head as ``"bfloat16"`` (default), ``"int8"`` or ``"model"`` (``dtype``;
     with ``use_fast_path = False`` on every QuantLinear, the exact model): see optq.formats.compact.
+    ``fast_path=False``: no fast CPU layout is built (the load is faster, the codes are kept) and
+    every QuantLinear runs its reference forward.
 
     Tensors are looked up under the original checkpoint's names (what ``save`` writes):
     a mixture-of-experts model's fused experts become
@@ -169,7 +172,7 @@ def load(
     for key in keys.values():
         if key in index and key not in tied:
             units.setdefault(model_key[key].rpartition(".")[0], []).append(key)
-    on_cpu = torch.device(device).type == "cpu"
+    on_cpu = torch.device(device).type == "cpu" and fast_path  # builds fast paths, fuses siblings
     reader = TensorReader(folder, index)
     try:
         tables = _table_keys(model, keys, units) if embeddings != "model" else {}
@@ -213,6 +216,9 @@ def load(
         raise CheckpointError(f"{folder}: tensors {left[:8]} were never loaded")
     model.config.quantization_config = qc
     model = model.to(device).eval()
+    for m in model.modules() if not fast_path else ():
+        if isinstance(m, QuantLinear):
+            m.use_fast_path = False
     build_fast_paths(model, fuse=False)  # on CPU: the layers left (none); then the load's garbage goes
     return model
 

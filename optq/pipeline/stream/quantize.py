@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from optq.formats import compressed_tensors
 from optq.formats.expert_slices import fused_in_source, fused_slices
 from optq.formats.experts import checkpoint_namer, layer_namer
 from optq.formats.layout import Scheme, quantization_config
+from optq.formats.probes import record_into
 from optq.pipeline.allocation.allocate import apply
 from optq.pipeline.blocks.loop import new_report, run_blocks, versions
 from optq.pipeline.blocks.prepare import Run, prepare
@@ -68,6 +70,7 @@ def quantize_pretrained(
     overwrite: bool = False,
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
+    probes: bool | Sequence[str] = True,
     **options: Any,
 ) -> Report:
     """Quantize the safetensors model at ``source`` into the checkpoint folder ``out``.
@@ -83,7 +86,9 @@ def quantize_pretrained(
     ``offload_activations`` matter too, and ``device`` defaults to the CPU. ``resume``: continue
     an interrupted run in ``OUT.partial/``; ``overwrite``: replace ``out``, or start a partial run
     again; ``provenance``: what the caller wants recorded in the report's options (such as the
-    model name and corpus given on the command line). Returns the report, also written to
+    model name and corpus given on the command line); ``probes``: when the output has a tokenizer
+    (copied from ``source``), write ``optq_probes.json`` for the built-in prompts (True), these
+    prompts (a list), or not (False) (:mod:`optq.formats.probes`). Returns the report, also written to
     ``out/quantization_report.json``; its ``solutions`` are empty (each block's are packed and
     freed as it finishes).
     """
@@ -121,7 +126,7 @@ def quantize_pretrained(
     }
     journal = Journal(out, manifest, resume=resume, overwrite=overwrite, dist=run.dist)
     with journal.removed_if_empty():  # a run failing before its first block leaves no journal behind
-        return _run(run, model, src, journal, options_, dtype, start, progress)
+        return _run(run, model, src, journal, options_, start, progress, probes)
 
 
 def _run(
@@ -130,11 +135,12 @@ def _run(
     src: SafetensorsSource,
     journal: Journal,
     options_: dict[str, Any],
-    dtype: torch.dtype,
     start: float,
     progress: bool,
+    probes: bool | Sequence[str] = True,
 ) -> Report:
     """The run once its journal is open: the blocks left, then the assembly."""
+    dtype = getattr(torch, options_["compute_dtype"])  # the compute dtype, as dtype_name wrote it
     settings, device = run.settings, run.device
     if journal.done:  # resumed: the finished blocks must have been computed from this source
         with run.dist.failing_together():
@@ -166,6 +172,8 @@ def _run(
     if run.dist.rank == 0:  # one writer: the other ranks' results are in rank 0's journal
         with journal.writing(journal.folder):
             assemble(src, journal, qconfig, report, len(run.blocks), settings.max_shard_size)
+            if probes:  # before the rename: OUT appears with its probes or not at all
+                record_into(journal.final, None if probes is True else list(probes))
             journal.finish()
     run.dist.barrier()
     log.info("wrote %s in %.1f s", journal.out, report.seconds)
