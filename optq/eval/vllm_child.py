@@ -7,9 +7,12 @@ writes ``MARK begin <index>`` to stderr, so that the caller can cut vLLM's log p
 """
 
 import json
+import os
 import sys
 import time
 
+# This script's folder holds optq's vllm.py: keep it off the path so that `import vllm` is vLLM.
+sys.path = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))]
 MARK = "@@optq-vllm"
 
 
@@ -42,6 +45,7 @@ def _one(job: dict, item: dict) -> dict:
         kv_cache_memory_bytes=job["kv_cache_bytes"],
         max_num_seqs=max(1, len(job["prompts"])),
         seed=0,
+        skip_tokenizer_init=True,
     )
     load_s = time.perf_counter() - start
     try:
@@ -49,7 +53,9 @@ def _one(job: dict, item: dict) -> dict:
     except Exception as exc:  # noqa: BLE001 - the log still names the kernel
         print(f"{MARK} apply_model failed: {type(exc).__name__}: {exc}", flush=True)
         kernels = []
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], logprobs=job["top_k"], ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_new_tokens"], logprobs=job["top_k"], ignore_eos=True, detokenize=False
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
