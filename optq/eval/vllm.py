@@ -10,8 +10,9 @@ several checkpoints in one child, which saves vLLM's start-up (tens of seconds) 
 The engine runs in the child's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with
 ``enforce_eager``, a key-value cache of :data:`KV_CACHE_BYTES` (on CPU ``gpu_memory_utilization``
 is the fraction of RAM vLLM reserves; its default 0.92 fails where other processes hold memory)
-and the dtype :func:`engine_dtype` picks: float32 for compressed-tensors, bfloat16 for GPTQ (vLLM's
-``auto_gptq`` method takes float16 and bfloat16 only).
+and bfloat16 (:func:`engine_dtype`): vLLM's ``auto_gptq`` method takes float16 and bfloat16 only,
+and its CPU kernel ``cpu_gemm_wna16`` has no float32 version, so compressed-tensors checkpoints,
+which load in float32, fail at the first forward in it).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def vllm_python(explicit: str | None = None) -> str | None:
 
 
 def engine_dtype(checkpoint: str | Path) -> str:
-    """The activation dtype vLLM's CPU path runs a checkpoint in: float32 where its method takes
-    it (compressed-tensors), else bfloat16 (GPTQ, and float models)."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    method = str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
-    return "float32" if method == "compressed-tensors" else "bfloat16"
+    """The activation dtype vLLM's CPU path runs a checkpoint in: bfloat16 for every quantized
+    format (measured: float32 fails in ``cpu_gemm_wna16``, float16 is slow on CPU), and for
+    float models (``checkpoint`` is read for a future format that differs)."""
+    json.loads((Path(checkpoint) / "config.json").read_text())  # a checkpoint folder, or an error
+    return "bfloat16"
 
 
 def decode(
@@ -151,6 +152,7 @@ def _error_lines(segment: str, keep: int = 3) -> list[str]:
     for ln in segment.splitlines():
         text = re.sub(r"^\(\w+ pid=\d+\)\s*", "", ln.strip())
         text = re.sub(r"^(ERROR|WARNING|INFO) \d\d-\d\d [\d:]+ \[[^\]]*\]\s*", "", text)
-        if text and _ERROR_LINE.search(ln) and not text.startswith("Traceback") and text not in found:
+        source = text.startswith(("Traceback", "raise ", "File "))
+        if text and _ERROR_LINE.search(ln) and not source and text not in found:
             found.append(text)
     return found[-keep:]

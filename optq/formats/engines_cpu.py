@@ -11,7 +11,19 @@ every rule is fatal. Per-module schemes (GPTQ ``dynamic``, config groups) are re
 
 from __future__ import annotations
 
-__all__ = ["CPU_TABLE"]
+import re
+
+__all__ = ["CPU_TABLE", "KNOWN_ENGINES", "EXPERT", "CPU_EXPERTS"]
+
+KNOWN_ENGINES: tuple[str, ...] = ("vllm", "transformers", "optq", "vllm-cpu")
+"""Every engine of the table: ``engines.ENGINES`` (``--serve``'s default, ``all``), then those
+checked only when named (re-exported by :mod:`optq.formats.engines`)."""
+EXPERT = re.compile(r"\.experts\.\d+\.")
+CPU_EXPERTS = (
+    "quantized experts run on CPUExpertsInt4 only, which needs an x86 CPU with AMX tiles; without, "
+    "vLLM finds no WNA16 MoE backend (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py: "
+    "CPUExpertsInt4._supports_current_device; fused_moe/oracle/int_wna16.py)"
+)
 
 _VLLM = "vllm/model_executor/"
 _CPU = _VLLM + "kernels/linear/mixed_precision/cpu.py: "

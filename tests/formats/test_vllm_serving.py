@@ -29,12 +29,14 @@ if vllm_python() is None:
 transformers = pytest.importorskip("transformers")
 
 NEW, TOP = 12, 5
-# Measured (2 cores): SmolLM2 GPTQ in bfloat16 (vLLM's auto_gptq takes no float32) differs from
-# optq's exact float32 path by up to LOGPROB_BF16_MEASURED in a top-5 log-probability;
-# compressed-tensors in float32 by up to LOGPROB_F32_MEASURED. Tolerances: about twice those.
-TOL = {"bfloat16": 0.6, "float32": 0.02}
+# vLLM runs in bfloat16 (its CPU kernel has no float32 version); measured against optq's exact
+# float32 path, the largest difference in a top-5 log-probability over the compared steps was
+# 0.21 for SmolLM2 (mean 0.06) and 0.006 for the tiny models: tolerances 2.5x and 4x those.
+TOL = {"smol": 0.5, "tiny": 0.025}
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Die Hauptstadt von Deutschland ist", "Once upon a"]
 
+# (compressed-tensors act-order without static groups, which vLLM refuses too, optq refuses to
+# write: optq.save raises CheckpointError.)
 # name: (model widths, QuantConfig fields, optq.quantize options, format, (table's rule, vLLM's words) or None)
 CASES = {
     "asym-ct": (dict(), dict(sym=False), {}, "compressed-tensors", None),
@@ -51,16 +53,15 @@ CASES = {
         "gptq",
         ("group size in (-1, 32, 64, 128)", "group_size = 256"),
     ),
-    "act-order-gptq": (dict(), dict(act_order=True, static_groups=False), {}, "gptq", ("act-order", "desc_act=True")),
-    "act-order-ct": (
+    "act-order-gptq": (
         dict(),
         dict(act_order=True, static_groups=False),
-        {},
-        "compressed-tensors",
-        ("act-order", "activation ordering"),
+        dict(method="gptq"),
+        "gptq",
+        ("act-order", "desc_act=True"),
     ),
     "input-width-ct": (dict(inter=80), dict(group_size=16), {}, "compressed-tensors", ("input width % 32", "(80)")),
-    "output-width-ct": (dict(inter=72), dict(group_size=24), {}, "compressed-tensors", ("output width % 32", "(144)")),
+    "output-width-ct": (dict(inter=72), dict(group_size=8), {}, "compressed-tensors", ("output width % 32", "(144)")),
     "odd-group-ct": (dict(hidden=96, heads=3, kv=1), dict(group_size=3), {}, "compressed-tensors", ("even", "(3)")),
 }
 
@@ -100,7 +101,7 @@ def _mixtral():
 def _write(model, folder: Path, config: dict, options: dict, fmt: str) -> Path:
     calib = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(1))
     qc = optq.QuantConfig(**{"bits": 4, "group_size": 32, **config})
-    report = optq.quantize(model, calib, qc, method="rtn", progress=False, **options)
+    report = optq.quantize(model, calib, qc, progress=False, **{"method": "rtn", **options})
     return optq.save(model, folder, solutions=report.solutions, format=fmt)
 
 
@@ -126,9 +127,9 @@ def served(smol_checkpoint, tmp_path_factory):
     loaded = optq.load(smol_checkpoint, dtype=torch.bfloat16, embeddings="model")
     folders["smol-ct"] = optq.save(loaded, root / "smol-ct", format="compressed-tensors", tokenizer=tok)
     del loaded
+    folders["mixtral-gptq"] = _write(_mixtral(), root / "mixtral", {}, {}, "gptq")  # first: see its test
     for name, (widths, config, options, fmt, _) in CASES.items():
         folders[name] = _write(_tiny(widths), root / name, config, options, fmt)
-    folders["mixtral-gptq"] = _write(_mixtral(), root / "mixtral", {}, {}, "gptq")
     tiny_prompts = torch.randint(0, 96, (3, 8), generator=torch.Generator().manual_seed(2)).tolist()
     for name in folders:
         prompts[name] = smol_prompts if name.startswith("smol") else tiny_prompts
@@ -148,10 +149,10 @@ def served(smol_checkpoint, tmp_path_factory):
 def _measure(name, served):
     folder, _, result, ref = served[name]
     assert isinstance(result, dict), f"{name}: {result}"
-    dtype = "float32" if "ct" in name.split("-")[-1] else "bfloat16"
-    found = agree(result["outputs"], ref, tie=2 * TOL[dtype])
+    size = "smol" if name.startswith("smol") else "tiny"
+    found = agree(result["outputs"], ref, tie=2 * TOL[size])
     print(f"\n{name}: {result['kernel']}, load {result['load_s']:.1f} s, {found}")
-    return result, found, dtype
+    return result, found, size
 
 
 @pytest.mark.real
@@ -185,10 +186,13 @@ def test_a_layout_the_table_refuses_is_refused_by_vllm_for_that_reason(name, ser
     assert words in str(result), str(result)
 
 
-def test_a_tiny_mixtral_runs_or_is_refused_with_vllms_reason(served):
+def test_a_tiny_mixtral_is_refused_by_the_table_and_by_vllm_on_a_cpu_without_amx(served):
+    """vLLM's CPU build runs quantized experts on CPUExpertsInt4 only, which needs AMX tiles;
+    the table refuses them (conservatively, on every CPU), and vLLM here finds no backend. Where
+    the CPU has AMX, vLLM may run it: then the table is stricter, and this test says so."""
     folder, _, result, ref = served["mixtral-gptq"]
-    print(f"\nmixtral-gptq: {result if not isinstance(result, dict) else result['kernel']}")
-    assert isinstance(result, dict), f"vLLM refused a tiny 4-bit Mixtral: {result}"
-    found = agree(result["outputs"], ref, tie=2 * TOL["bfloat16"])
-    assert not found.disagreements, found.disagreements
-    assert found.max_diff < TOL["bfloat16"], found
+    line = _inspect_line(folder)
+    assert "refused" in line and "AMX" in line and "experts" in line, line
+    if isinstance(result, dict):
+        pytest.skip(f"this CPU runs quantized experts ({result['kernel']}): the table is stricter here")
+    assert "No WNA16 MoE backend" in str(result), str(result)
