@@ -26,7 +26,8 @@ def test_the_two_commands_open_the_readme_and_ci_runs_the_second():
     assert lines[0] == "# optq" and lines[1] == ""
     setup, tests = lines[2], lines[3]
     assert setup.startswith("    ") and setup.endswith("&& optq demo")
-    assert tests.startswith("    ") and tests.endswith("&& mkdocs build --strict && python -m pytest -q")
+    assert tests.startswith("    ")
+    assert tests.endswith("&& mkdocs build --strict && optq install-vllm && python -m pytest -q")
     ci = ROOT.joinpath(".ci", "run").read_text().splitlines()
     commands = [line for line in ci if line and not line.startswith("#")]
     assert commands[-1] == tests.strip()  # CI ends by running exactly the README's test command

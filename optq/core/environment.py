@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Variable", "VARIABLES", "get", "child_environment"]
+__all__ = ["Variable", "VARIABLES", "get", "child_environment", "foreign_environment"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ VARIABLES: dict[str, Variable] = {
             "OPTQ_DIST_PEER_TIMEOUT", "60", "seconds without a peer's heartbeat after which every rank stops, naming it"
         ),
         Variable(
+            "OPTQ_VLLM_PYTHON",
+            ".venv-vllm/bin/python under the current folder, if it exists",
+            "vLLM's interpreter (its own virtualenv: `optq install-vllm`), for the vLLM tests and checks",
+        ),
+        Variable(
             "PYTHONPATH",
             "(unset)",
             "passed on to the child that tokenises the calibration text, this optq's folder first",
@@ -66,3 +71,9 @@ def child_environment(first_path: str) -> dict[str, str]:
     ``PYTHONPATH`` (so the child imports the same optq)."""
     path = os.pathsep.join(filter(None, [first_path, get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path}
+
+
+def foreign_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for another project's interpreter (vLLM's virtualenv): without
+    ``PYTHONPATH``, which names this interpreter's packages, and with ``extra`` set."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **extra}

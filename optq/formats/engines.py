@@ -26,10 +26,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-__all__ = ["ENGINES", "FORMATS", "KERNELS", "LayerShape", "Rule", "Kernel", "Verdict", "verdict", "check_engines"]
-__all__ += ["group_size_for", "parse_engines", "describe"]
+from optq.formats.engines_cpu import CPU_EXPERTS, CPU_TABLE, EXPERT, KNOWN_ENGINES
 
-ENGINES: tuple[str, ...] = ("vllm", "transformers", "optq")
+__all__ = ["ENGINES", "FORMATS", "KERNELS", "LayerShape", "Rule", "Kernel", "Verdict", "verdict", "check_engines"]
+__all__ += ["group_size_for", "parse_engines", "describe", "KNOWN_ENGINES"]
+
+ENGINES: tuple[str, ...] = ("vllm", "transformers", "optq")  # --serve's default, "all"
 FORMATS = ("gptq", "gptq_v2", "compressed-tensors")
 _CANDIDATE_GROUPS = (1024, 512, 256, 128, 64, 32, 16)  # every group size some kernel lists
 
@@ -229,9 +231,8 @@ _HARDWARE = {"TorchCpuAvx512Linear": "CPUs with AVX512-BF16"}
 
 
 def _kernels() -> tuple[Kernel, ...]:
-    return tuple(
-        Kernel(e, n, f, tuple(Rule(e, n, *r) for r in rules), _HARDWARE.get(n)) for (e, n, f), rules in _TABLE.items()
-    )
+    rows = {**_TABLE, **CPU_TABLE}.items()
+    return tuple(Kernel(e, n, f, tuple(Rule(e, n, *r) for r in rs), _HARDWARE.get(n)) for (e, n, f), rs in rows)
 
 
 KERNELS: tuple[Kernel, ...] = _kernels()
@@ -240,8 +241,8 @@ RULES: tuple[Rule, ...] = tuple(r for k in KERNELS for r in k.rules)
 
 
 def _check_name(engine: str, fmt: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r} is unknown; choose from {ENGINES}")
+    if engine not in KNOWN_ENGINES:
+        raise ValueError(f"engine {engine!r} is unknown; choose from {KNOWN_ENGINES}")
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is unknown; choose from {FORMATS}")
 
@@ -306,13 +307,15 @@ def _scheme(layer: LayerShape) -> tuple:
 
 def _model_refusal(engine: str, name: str, layer: LayerShape, base: LayerShape, fmt: str, shapes) -> str | None:
     """Why the model's other layers make ``engine`` refuse this one (None: they do not)."""
-    if engine == "vllm":
+    if engine == "vllm-cpu" and EXPERT.search(name):
+        return CPU_EXPERTS
+    if engine in ("vllm", "vllm-cpu"):
         parent, _, leaf = name.rpartition(".")
         for group in _FUSED:
             siblings = [shapes.get(f"{parent}.{p}" if parent else p) for p in group] if leaf in group else []
             if len({_scheme(s) for s in siblings if s is not None}) > 1:
                 return f"{'/'.join(group)} are one fused layer with one scheme ({_SHARDS})"
-        if fmt in _G and _marlin_method(base) and not _marlin_method(layer):
+        if engine == "vllm" and fmt in _G and _marlin_method(base) and not _marlin_method(layer):
             return f"the config takes gptq_marlin, whose layers need {_MARLIN_CONFIG} ({_SCHEME})"
     if engine == "transformers" and fmt in _G and _scheme(layer) != _scheme(base):
         return f"optimum builds every layer from the config's one scheme, never reads `dynamic` ({_OPTIMUM})"
@@ -383,13 +386,10 @@ def group_size_for(
 
 
 def parse_engines(text: str) -> tuple[str, ...]:
-    """``"vllm,transformers"`` -> ("vllm", "transformers"); ``"all"`` -> :data:`ENGINES`."""
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if names == ["all"]:
-        return ENGINES
-    unknown = [n for n in names if n not in ENGINES]
-    if unknown or not names:
-        raise ValueError(f"--serve {text!r}: unknown engine(s) {unknown}; choose from {', '.join(ENGINES)} or all")
+    """``"vllm,transformers"`` -> ("vllm", "transformers"); ``"all"`` -> :data:`ENGINES`, ``all,vllm-cpu``..."""
+    names = [e for t in text.lower().split(",") if t.strip() for e in (ENGINES if t.strip() == "all" else (t.strip(),))]
+    if (unknown := [n for n in names if n not in KNOWN_ENGINES]) or not names:
+        raise ValueError(f"--serve {text!r}: unknown engines {unknown}; choose from {', '.join(KNOWN_ENGINES)}, all")
     return tuple(dict.fromkeys(names))
 
 
