@@ -196,3 +196,19 @@ def test_a_tiny_mixtral_is_refused_by_the_table_and_by_vllm_on_a_cpu_without_amx
     if isinstance(result, dict):
         pytest.skip(f"this CPU runs quantized experts ({result['kernel']}): the table is stricter here")
     assert "No WNA16 MoE backend" in str(result), str(result)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smol-gptq", "smol-ct"])
+def test_optq_verify_finds_vllm_agreeing_with_the_recorded_outputs(name, served, capsys):
+    """The checkpoint's own record (optq_probes.json, written by `optq quantize` and by
+    `optq.save(tokenizer=)`) against vLLM's CPU engine, through `optq verify` as a user runs it."""
+    folder = served[name][0]
+    assert (Path(folder) / "optq_probes.json").is_file()
+    capsys.readouterr()
+    rc = main(["verify", str(folder), "--engines", "vllm", "--vllm-python", vllm_python()])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "vllm: kernel: CPUWNA16LinearKernel" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("vllm "))
+    assert row.split()[1] == "agree" and "4/4" in row, row
