@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from . import CliError, check_writable
@@ -120,23 +119,22 @@ def run(args: argparse.Namespace) -> int:
         )
     results = verify(folder, probes, engines, vllm_python=args.vllm_python)
     failed = [r for r in results if r.status in ("failed", "disagree")]
-    if int(os.environ.get("RANK", "0")) == 0:
-        made = probes.get("produced_by") or {}
-        print(
-            f"{folder}: {len(probes['prompts'])} recorded prompts x {probes['new_tokens']} tokens, top "
-            f"{probes['top_k']} log-probabilities, by optq {made.get('optq', '?')} ({made.get('path', '?')})"
-        )
-        for line in table(results):
-            print(line)
-        ran = [r for r in results if r.status != "skipped"]
-        if failed:
-            print(f"FAILED: {', '.join(r.engine for r in failed)}")
-        elif ran:
-            print(f"OK: {', '.join(r.engine for r in ran)} agree with the record")
-        else:
-            print("nothing was compared: every engine was skipped")
-        if args.json is not None:
-            doc = {"checkpoint": str(folder), "produced_by": made, "ok": not failed}
-            doc["engines"] = [r.to_dict() for r in results]
-            atomic_write(args.json, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    made = probes.get("produced_by") or {}
+    print(
+        f"{folder}: {len(probes['prompts'])} recorded prompts x {probes['new_tokens']} tokens, top "
+        f"{probes['top_k']} log-probabilities, by optq {made.get('optq', '?')} ({made.get('path', '?')})"
+    )
+    for line in table(results):
+        print(line)
+    ran = [r for r in results if r.status != "skipped"]
+    if failed:
+        print(f"FAILED: {', '.join(r.engine for r in failed)}")
+    elif ran:
+        print(f"OK: {', '.join(r.engine for r in ran)} agree with the record")
+    else:
+        print("nothing was compared: every engine was skipped")
+    if args.json is not None:
+        doc = {"checkpoint": str(folder), "produced_by": made, "ok": not failed}
+        doc["engines"] = [r.to_dict() for r in results]
+        atomic_write(args.json, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return 1 if failed else 0
