@@ -55,3 +55,14 @@ def test_a_near_tie_for_one_engine_is_a_disagreement_for_a_stricter_one() -> Non
 def test_a_short_output_disagrees() -> None:
     r = compare(0, RECORD, {"tokens": [5], "logprobs": [{5: -0.1, 6: -2.5}]}, ENGINE)
     assert not r.ok and "stopped after 1 of 3" in r.mismatch
+
+
+def test_a_tail_token_is_not_compared_but_one_above_the_floor_is() -> None:
+    # vLLM's bfloat16 on SmolLM2: the greedy token at 99.96%, a top-5 tail token at -8.6 served at -7.8.
+    record = _recorded([[(35, -0.0004), (37, -4.9), (34, -8.6)]])
+    tail = {"tokens": [35], "logprobs": [{35: -0.0004, 37: -4.9, 34: -6.6}]}  # off by 2, below the floor
+    r = compare(0, record, tail, ENGINE)
+    assert r.ok and r.steps == 1 and r.max_diff == 0.0
+    above = {"tokens": [35], "logprobs": [{35: -0.0004, 37: -4.8, 34: -8.6}]}  # -4.9 is above the floor
+    r = compare(0, record, above, ENGINE)
+    assert not r.ok and "step 0" in r.mismatch and abs(r.max_diff - 0.1) < 1e-9
