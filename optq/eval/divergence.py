@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from optq.eval.perplexity import _HEAD_ROWS, _device_of, _logits, _plain_head
+from optq.eval.perplexity import _HEAD_ROWS, _device_of, _head_inputs, _logits, _plain_head
 from optq.pipeline.allocation.passes import kl_terms, log_probs
 
 __all__ = ["divergence_detail", "DivergenceResult", "quantile", "FIELDS"]
@@ -134,15 +134,6 @@ def _row_logits(model: torch.nn.Module, batch: torch.Tensor) -> Iterator[torch.T
         for s in range(0, rows.shape[0], _HEAD_ROWS):
             yield rows[s : s + _HEAD_ROWS]
         return
-    parent_name, _, attr = head_name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    head = getattr(parent, attr)
-    setattr(parent, attr, torch.nn.Identity())
-    try:
-        hidden = _logits(model(input_ids=batch, use_cache=False))
-    finally:
-        setattr(parent, attr, head)
-    rows = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-    del hidden
+    rows, head = _head_inputs(model, batch, head_name)
     for s in range(0, rows.shape[0], _HEAD_ROWS):
         yield head(rows[s : s + _HEAD_ROWS])

@@ -157,6 +157,20 @@ def _batch_nll(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     if head_name is None:
         logits = _logits(model(input_ids=batch, use_cache=False))
         return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), labels, reduction="sum")
+    rows, head = _head_inputs(model, batch, head_name)
+    picked = torch.cat(
+        [
+            F.log_softmax(head(rows[s : s + _HEAD_ROWS]).float(), 1).gather(1, labels[s : s + _HEAD_ROWS, None])
+            for s in range(0, rows.shape[0], _HEAD_ROWS)
+        ]
+    )
+    return F.nll_loss(picked, torch.zeros_like(labels), reduction="sum")
+
+
+def _head_inputs(model: torch.nn.Module, batch: torch.Tensor, head_name: str) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The rows the plain head ``head_name`` would read for every predicting position of
+    ``batch`` ([windows * (L - 1), hidden]), from one forward with the head swapped for the
+    identity, and the head itself: the caller applies it ``_HEAD_ROWS`` rows at a time."""
     parent_name, _, attr = head_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     head = getattr(parent, attr)
@@ -165,15 +179,7 @@ def _batch_nll(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         hidden = _logits(model(input_ids=batch, use_cache=False))
     finally:
         setattr(parent, attr, head)
-    rows = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-    del hidden
-    picked = torch.cat(
-        [
-            F.log_softmax(head(rows[s : s + _HEAD_ROWS]).float(), 1).gather(1, labels[s : s + _HEAD_ROWS, None])
-            for s in range(0, rows.shape[0], _HEAD_ROWS)
-        ]
-    )
-    return F.nll_loss(picked, torch.zeros_like(labels), reduction="sum")
+    return hidden[:, :-1, :].reshape(-1, hidden.shape[-1]), head
 
 
 def _plain_head(model: torch.nn.Module) -> str | None:
