@@ -10,25 +10,11 @@ from optq.cli import main
 from optq.core import memory
 
 pytest.importorskip("transformers")
-
-
-class _Libc:
-    """Records glibc's malloc calls instead of making them."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    def malloc_trim(self, pad):
-        self.calls.append(("malloc_trim", pad))
-        return 1
-
-    def mallopt(self, param, value):
-        self.calls.append(("mallopt", param, value))
-        return 1
+from fake_libc import FakeLibc  # noqa: E402
 
 
 def test_the_cli_fixes_the_mmap_threshold_before_the_run(model_dir, tmp_path, monkeypatch, capsys):
-    libc = _Libc()
+    libc = FakeLibc()
     monkeypatch.setattr(memory, "_libc", lambda: libc)
     assert main(quantize_args(model_dir, tmp_path / "q", "--method", "gptq")) == 0
     capsys.readouterr()
@@ -40,7 +26,7 @@ def test_the_cli_fixes_the_mmap_threshold_before_the_run(model_dir, tmp_path, mo
 
 
 def test_a_dry_run_changes_no_malloc_setting(model_dir, tmp_path, monkeypatch, capsys):
-    libc = _Libc()
+    libc = FakeLibc()
     monkeypatch.setattr(memory, "_libc", lambda: libc)
     assert main(quantize_args(model_dir, tmp_path / "q", "--dry-run")) == 0
     capsys.readouterr()

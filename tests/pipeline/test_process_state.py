@@ -14,28 +14,14 @@ import torch
 from optq.core import grid, memory
 
 pytest.importorskip("transformers")
+from fake_libc import FakeLibc  # noqa: E402
 from tiny import build  # noqa: E402
 from tiny import run as _run  # noqa: E402
 
 
-class _Libc:
-    """Records glibc's malloc calls instead of making them."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    def malloc_trim(self, pad):
-        self.calls.append(("malloc_trim", pad))
-        return 1
-
-    def mallopt(self, param, value):
-        self.calls.append(("mallopt", param, value))
-        return 1
-
-
 @pytest.fixture
 def libc(monkeypatch):
-    fake = _Libc()
+    fake = FakeLibc()
     monkeypatch.setattr(memory, "_libc", lambda: fake)
     return fake
 
