@@ -33,7 +33,14 @@ transformers + GPTQModel 7.7's CPU kernel (bfloat16) where the tests' GPTQModel 
 for compiled variants torch's compiler) are imported before the baseline RSS: the model, not
 the runtime, is measured; what compiling the model leaves resident is counted.
 
+``--batch 1,16`` measures every variant at each batch size (B prompts of the same length;
+tokens/s count every sequence's tokens). Unless ``--no-vllm``, vLLM's CPU engine (in its own
+interpreter: ``optq install-vllm``) runs the float model and the 4-bit checkpoint, both in
+bfloat16, at each batch size (benchmarks/inference_vllm.py says how).
+
     python benchmarks/inference.py [--model smollm2-135m] [--bits 4,3,2,8] [--repeats 3]
+    python benchmarks/inference.py --bits 4 --batch 1,16 --no-compile --no-aot --no-storage \
+        --quality-windows 0 --json benchmarks/results/inference_vllm.json   # the README's serving table
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import sys
 import time
 from pathlib import Path
 
+import inference_vllm
 from common import ROOT
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -92,7 +100,8 @@ else:
     groups = {id(q._fused[0]): q._fused[0] for q in qs if q._fused is not None}  # fused siblings' scales
     extra = sum(q.fast_weight.nbytes() for q in qs) + sum(g.nbytes() for g in groups.values())
 load_s, rss_load = time.perf_counter() - t0, rss_mb() - base
-ids = torch.randint(0, model.config.vocab_size, (1, spec["prompt"]))
+batch = spec.get("batch", 1)
+ids = torch.randint(0, model.config.vocab_size, (batch, spec["prompt"]))
 opts = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0)
 n = spec["decode"]
 t0 = time.perf_counter()
@@ -126,8 +135,8 @@ tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
 print(json.dumps({
     "load_s": load_s,
     "warmup_s": warmup_s,
-    "prefill_tok_s": clock.prefill_tokens_per_s(spec["prompt"]),
-    "decode_tok_s": clock.decode_tokens_per_s(),
+    "prefill_tok_s": batch * clock.prefill_tokens_per_s(spec["prompt"]),
+    "decode_tok_s": batch * clock.decode_tokens_per_s(),
     "rss_load_mb": rss_load,
     "rss_mb": rss_mb() - base,
     "tensors_mb": (sum(t.numel() * t.element_size() for t in tensors.values()) + extra) / 1e6,
@@ -178,6 +187,10 @@ def _gptqmodel_site() -> Path | None:
     return site if (site / ".complete").exists() else None
 
 
+def _named(name: str, batch: int) -> str:
+    return name if batch == 1 else f"{name}, batch {batch}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", help="built-in name or fp folder (default smollm2-135m)")
@@ -190,6 +203,10 @@ def main() -> int:
     ap.add_argument("--quality-windows", type=int, default=8, help="0: skip the perplexity of the memory options")
     ap.add_argument("--quality-texts", default=TEXTS, help=f"corpora for it (default {TEXTS})")
     ap.add_argument("--no-gptqmodel", action="store_true", help="skip transformers + GPTQModel")
+    ap.add_argument("--batch", default="1", help="batch sizes, each a row of every variant (default 1; e.g. 1,16)")
+    ap.add_argument("--vllm-python", help="vLLM's interpreter (default: as optq verify finds it)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's CPU engine")
+    ap.add_argument("--json", type=Path, default=RESULTS / "inference.json", help="results file (default %(default)s)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled variants")
     ap.add_argument("--no-aot", dest="aot", action="store_false", help="skip the ahead-of-time compiled variants")
     ap.add_argument(
@@ -226,25 +243,45 @@ def main() -> int:
     site = None if args.no_gptqmodel or 4 not in bits else _gptqmodel_site()
     if site is not None:
         variants.append({"name": "GPTQModel 4-bit (bf16)", "kind": "gptqmodel", "folder": folders[4], "embeddings": ""})
+    batches = [int(b) for b in args.batch.split(",")]
+    if len(batches) > 1 or batches[0] != 1:  # every variant at every batch size
+        variants = [{**v, "name": _named(v["name"], b), "batch": b} for v in variants for b in batches]
+    from optq.eval.vllm import vllm_python
+
+    python = None if args.no_vllm or 4 not in bits else vllm_python(args.vllm_python)
+    if python is not None:  # one child per variant and round runs every batch size
+        fp_config = json.loads((Path(fp) / "config.json").read_text())
+        ids = inference_vllm.prompt_ids(fp_config["vocab_size"], max(batches), args.prompt)
+        kv = inference_vllm.kv_cache_bytes(fp, max(batches), args.prompt + args.decode)
+        for name, folder in (("vLLM fp (bf16)", fp), ("vLLM 4-bit (bf16)", folders[4])):
+            variants.append(
+                {"name": name, "kind": "vllm", "folder": folder, "batches": batches, "ids": ids, "kv_cache_bytes": kv}
+            )
+    elif not args.no_vllm:
+        print("vLLM's interpreter not found (optq install-vllm, or --vllm-python): no vLLM rows", file=sys.stderr)
     best: dict[str, dict] = {}
     started = time.perf_counter()
     for r in range(args.repeats):
         for v in variants:
             spec = {**v, "prompt": args.prompt, "decode": args.decode}
             try:
-                res = _measure(spec, site if v["kind"] == "gptqmodel" else None)
+                if v["kind"] == "vllm":
+                    rows = {_named(v["name"], row["batch"]): row for row in inference_vllm.measure(spec, python)}
+                else:
+                    rows = {v["name"]: _measure(spec, site if v["kind"] == "gptqmodel" else None)}
             except RuntimeError as exc:
                 print(f"round {r + 1}: {exc}", file=sys.stderr)
                 continue
-            print(
-                f"round {r + 1}: {v['name']:28s} {json.dumps({k: round(x, 1) for k, x in res.items() if k != 'kinds'})}"
-            )
-            b = best.setdefault(v["name"], {**res, "folder": v["folder"]})
-            for k in ("prefill_tok_s", "decode_tok_s"):
-                b[k] = max(b[k], res[k])
-            for k in ("rss_mb", "rss_load_mb", "load_s", "warmup_s", "tensors_mb"):
-                b[k] = min(b[k], res[k])
-            b["aot_ready_s"] = max(b["aot_ready_s"], res["aot_ready_s"])  # the round that built the package
+            for name, res in rows.items():
+                res = {"aot_ready_s": 0.0, "tensors_mb": float("nan"), **res}
+                shown = {k: round(x, 1) for k, x in res.items() if isinstance(x, float)}
+                print(f"round {r + 1}: {name:28s} {json.dumps(shown)}")
+                b = best.setdefault(name, {**res, "folder": v["folder"]})
+                for k in ("prefill_tok_s", "decode_tok_s"):
+                    b[k] = max(b[k], res[k])
+                for k in ("rss_mb", "rss_load_mb", "load_s", "warmup_s", "tensors_mb"):
+                    b[k] = min(b[k], res[k])
+                b["aot_ready_s"] = max(b["aot_ready_s"], res["aot_ready_s"])  # the round that built the package
     quality = {}
     if args.quality_windows and 4 in bits and args.storage:
         proc = subprocess.run(
@@ -255,10 +292,10 @@ def main() -> int:
         quality = (
             json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
         )
-    ref = best.get("fp32")
+    ref = best.get("fp32")  # the ratios of every row are against fp32 at batch 1 (transformers)
     print(f"\n{args.model}: prompt {args.prompt}, decode {args.decode} tokens, best of {args.repeats}")
     print(
-        f"{'variant':30s} {'disk MB':>8s} {'tensors MB':>10s} {'RSS MB':>8s} {'x fp32':>6s} "
+        f"{'variant':40s} {'disk MB':>8s} {'tensors MB':>10s} {'RSS MB':>8s} {'x fp32':>6s} "
         f"{'prefill tok/s':>13s} {'x fp32':>6s} {'decode tok/s':>12s} {'x fp32':>6s}"
     )
     for name, b in best.items():
@@ -271,7 +308,7 @@ def main() -> int:
             b["decode_x"] = b["decode_tok_s"] / ref["decode_tok_s"]
         size = f"{b['disk_mb']:8.1f} {b['tensors_mb']:10.1f} {b['rss_mb']:8.0f} {b.get('rss_x', 0):6.2f}"
         speed = f"{b['prefill_tok_s']:13.1f} {b.get('prefill_x', 0):6.2f} {b['decode_tok_s']:12.1f}"
-        print(f"{name:30s} {size} {speed} {b.get('decode_x', 0):6.2f}")
+        print(f"{name:40s} {size} {speed} {b.get('decode_x', 0):6.2f}")
     if quality and "error" not in quality:
         print(f"\n4-bit perplexity ({args.quality_windows} x 512 tokens per text) by embedding and head storage")
         print(f"{'text':14s} {'fp32':>9s} {'bfloat16':>17s} {'int8':>17s}")
@@ -279,13 +316,14 @@ def main() -> int:
             ppl = [quality[k][text] for k in ("bfloat16", "int8")]
             cells = [f"{p:9.3f} ({100 * (p / base - 1):+.2f}%)" for p in ppl]
             print(f"{text:14s} {base:9.3f} {' '.join(cells)}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "inference.json"
+    out = args.json
+    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "model": args.model,
         "prompt": args.prompt,
         "decode": args.decode,
         "repeats": args.repeats,
+        "batches": batches,
         "seconds": round(time.perf_counter() - started, 1),
         "results": best,
         "quality": quality,
