@@ -162,10 +162,8 @@ class Report:
     def definitions(self) -> dict[str, str]:
         """What the error fields of this report mean (also written to the JSON)."""
         if self.unmeasured is not None:
-            errors = ("tokens", "objective", "rtn_objective", "relative_error", "gain")
-            return dict.fromkeys(
-                (*errors, "output_error", "rtn_output_error", "output_gain"), f"null: {self.unmeasured}"
-            )
+            fields = ("tokens", "objective", "rtn_objective", "relative_error", "gain", "output_error")
+            return dict.fromkeys((*fields, "rtn_output_error", "output_gain"), f"null: {self.unmeasured}")
         normalized = bool(self.config.get("normalize_tokens", False))
         if normalized:
             objective = (

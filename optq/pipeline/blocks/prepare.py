@@ -73,9 +73,8 @@ class Run:
         group). Then nothing captures block 0's inputs, no block runs, no Hessian is collected,
         and the report's errors are null (``Report.unmeasured`` says why)."""
         method = self.settings.method_object
-        return not (method.reads_hessian or method.float_chain or self.settings.target_bits is not None) and (
-            not self.dist.active
-        )
+        activations = method.reads_hessian or method.float_chain or self.settings.target_bits is not None
+        return not activations and not self.dist.active
 
 
 def prepare(
