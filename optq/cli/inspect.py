@@ -93,11 +93,13 @@ def _by_kind(layers: dict[str, tuple[int, int]], index: dict, prefixes: tuple[st
 
 def _method(report: dict | None) -> str:
     """The method (and shrink) the run used, from its report, as " by gptaq (H shrunk 0.5 toward its
-    diagonal)"; empty without a report that says."""
+    diagonal)", or that it read no calibration activation; empty without a report that says."""
     report = report or {}
     method = (report.get("options") or {}).get("method")
     if method is None:
         return ""
+    if report.get("unmeasured") is not None:  # a run from the weights alone: no H, no layer error
+        return f" by {method} from the weights alone (no calibration forward: layer errors not measured)"
     shrink = (report.get("config") or {}).get("diag_shrink") or 0
     return f" by {method}" + (f" (H shrunk {shrink:g} toward its diagonal)" if shrink else "")
 

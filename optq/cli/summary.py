@@ -20,6 +20,9 @@ def summary(report: Any) -> str:
     )
     lines = [head, "-" * len(head)]
     for kind, rows in kinds.items():
+        if any(r.objective is None for r in rows):  # a run from the weights alone: nothing measured
+            lines.append(f"{kind:<22}{len(rows):>6}" + "".join(f"{'-':>{w}}" for w in (12, 12, 9, 8, 10, 9)))
+            continue
         ratios = [r.objective / r.rtn_objective for r in rows if r.rtn_objective > 0]
         mean = sum(ratios) / len(ratios) if ratios else float("nan")
         worst = max(ratios, default=float("nan"))
@@ -31,6 +34,7 @@ def summary(report: Any) -> str:
             f"{sum(outs) / len(outs) if outs else float('nan'):>9.3f}"
         )
     t = report.totals
+    unmeasured = getattr(report, "unmeasured", None)
     ratio = t["mean_objective_ratio"]
     lines.append("-" * len(head))
     lines.append(
@@ -39,10 +43,13 @@ def summary(report: Any) -> str:
         if ratio is not None
         else f"{t['layers']} layers in {t['blocks']} blocks"
     )
-    lines.append(
-        f"layers worse than round-to-nearest: {t['layers_worse_than_rtn']}; quantize time {report.seconds:.1f} s"
-    )
-    if report.config.get("normalize_tokens"):
+    if unmeasured is not None:
+        lines.append(f"errors not measured ({unmeasured}); quantize time {report.seconds:.1f} s")
+    else:
+        lines.append(
+            f"layers worse than round-to-nearest: {t['layers_worse_than_rtn']}; quantize time {report.seconds:.1f} s"
+        )
+    if report.config.get("normalize_tokens") and unmeasured is None:
         lines.append(
             "objective: on unit-RMS tokens (what GPTQ minimised); out/rtn: plain output "
             "error |ΔWx|² against round-to-nearest's, on a sample of the tokens"

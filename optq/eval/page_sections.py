@@ -67,7 +67,9 @@ def layers_section(report: dict[str, Any], figures: Any) -> str:
     if not rows:
         return "<p>No layer was quantized.</p>"
     out = []
-    if figures is not None:
+    if report.get("unmeasured") is not None:  # a run from the weights alone
+        out.append(f"<p>No layer error was measured: {html.escape(str(report['unmeasured']))}.</p>")
+    elif figures is not None:
         out.append(
             f"<figure>{figures.layer_objectives(rows)}<figcaption>Each linear's objective, the error "
             "the solver minimised (½ tr(ΔHΔᵀ), see the definitions below), for GPTQ and for RTN on "
@@ -188,6 +190,8 @@ def calibration_section(report: dict[str, Any], figures: Any) -> str:
     for r in rows:  # layers of one group share their input: one row each
         groups.setdefault((r["name"].rsplit(".", 2)[0], r["subset"]), r)
     rows = list(groups.values())
+    if not rows and report.get("unmeasured") is not None:  # a run from the weights alone
+        return f"<p>No calibration statistic was collected: {html.escape(str(report['unmeasured']))}.</p>"
     if not rows:
         return "<p>This report has no calibration statistics (written by an older optq).</p>"
     out = [

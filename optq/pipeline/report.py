@@ -51,15 +51,20 @@ class LayerReport:
     ``hessian`` says, for mixture-of-experts experts, where H came from: ``routed`` (the tokens
     routed to the expert), ``all`` (every calibration token), a fallback for a starved expert, or
     none (no token reached it: rounded to nearest, errors on H = I). None for other layers.
+
+    A run from the weights alone (round-to-nearest: ``Report.unmeasured`` says why) reads no
+    calibration token: ``tokens``, the errors and ``calibration`` are None (null in the JSON),
+    never an estimate; ``subset`` is then the layer's position in its block (no forward tells
+    which linears share an input).
     """
 
     name: str
     shape: tuple[int, int]
-    tokens: int
+    tokens: int | None
     damp: float | None
-    objective: float
-    rtn_objective: float
-    relative_error: float
+    objective: float | None
+    rtn_objective: float | None
+    relative_error: float | None
     seconds: float
     subset: int
     fallback: str | None = None
@@ -70,8 +75,11 @@ class LayerReport:
     hessian: str | None = None
 
     @property
-    def gain(self) -> float:
-        """How many times smaller the objective is than round-to-nearest's (inf when exact)."""
+    def gain(self) -> float | None:
+        """How many times smaller the objective is than round-to-nearest's (inf when exact; None
+        when not measured)."""
+        if self.objective is None or self.rtn_objective is None:
+            return None
         return _gain(self.objective, self.rtn_objective)
 
     @property
@@ -105,7 +113,8 @@ class Report:
     override, or a group size the serving engines need; ``optq.pipeline.schemes``). ``allocation``
     (``target_bits`` runs): the budget, the stored bits reached, every candidate allocation checked
     with its KL to the float model, and each layer's bits, group size and reason
-    (``optq.pipeline.allocation.allocate``).
+    (``optq.pipeline.allocation.allocate``). ``unmeasured``: why the layers' errors are null (a
+    run from the weights alone, which reads no calibration activation), or None when measured.
     """
 
     layers: dict[str, LayerReport]
@@ -121,33 +130,40 @@ class Report:
     solved_by: dict[str, int] = field(default_factory=dict)
     schemes: dict[str, dict[str, Any]] = field(default_factory=dict)
     allocation: dict[str, Any] = field(default_factory=dict)  # --target-bits: what it chose and why
+    unmeasured: str | None = None  # why no layer error was measured (a weights-only run)
 
     @property
     def totals(self) -> dict[str, Any]:
-        """Sums and means over layers (ratios are means of per-layer ratios)."""
+        """Sums and means over layers (ratios are means of per-layer ratios); the error totals
+        are over the layers whose errors were measured, None when none was."""
         rows = list(self.layers.values())
-        ratios = [r.objective / r.rtn_objective for r in rows if r.rtn_objective > 0]
+        measured = [r for r in rows if r.objective is not None and r.rtn_objective is not None]
+        ratios = [r.objective / r.rtn_objective for r in measured if r.rtn_objective > 0]
         outs = [r for r in rows if r.output_error is not None and r.rtn_output_error is not None]
         out_ratios = [r.output_error / r.rtn_output_error for r in outs if r.rtn_output_error > 0]
+        rel = [r.relative_error for r in rows if r.relative_error is not None]
         return {
             "layers": len(rows),
             "blocks": len(self.block_seconds),
             "parameters": sum(r.shape[0] * r.shape[1] for r in rows),
-            "objective": sum(r.objective for r in rows),
-            "rtn_objective": sum(r.rtn_objective for r in rows),
+            "objective": sum(r.objective for r in measured) if measured else None,
+            "rtn_objective": sum(r.rtn_objective for r in measured) if measured else None,
             "mean_objective_ratio": sum(ratios) / len(ratios) if ratios else None,
-            "layers_worse_than_rtn": sum(r.objective > r.rtn_objective for r in rows),
+            "layers_worse_than_rtn": sum(r.objective > r.rtn_objective for r in measured) if measured else None,
             "output_error": sum(r.output_error for r in outs) if outs else None,
             "rtn_output_error": sum(r.rtn_output_error for r in outs) if outs else None,
             "mean_output_error_ratio": sum(out_ratios) / len(out_ratios) if out_ratios else None,
-            "layers_output_worse_than_rtn": sum(r.output_error > r.rtn_output_error for r in outs),
-            "mean_relative_error": sum(r.relative_error for r in rows) / len(rows) if rows else None,
+            "layers_output_worse_than_rtn": sum(r.output_error > r.rtn_output_error for r in outs) if outs else None,
+            "mean_relative_error": sum(rel) / len(rel) if rel else None,
             "max_damp": max((r.damp for r in rows if r.damp is not None), default=None),
             "seconds": self.seconds,
         }
 
     def definitions(self) -> dict[str, str]:
         """What the error fields of this report mean (also written to the JSON)."""
+        if self.unmeasured is not None:
+            fields = ("tokens", "objective", "rtn_objective", "relative_error", "gain", "output_error")
+            return dict.fromkeys((*fields, "rtn_output_error", "output_gain"), f"null: {self.unmeasured}")
         normalized = bool(self.config.get("normalize_tokens", False))
         if normalized:
             objective = (
@@ -195,6 +211,7 @@ class Report:
                 "allocation": self.allocation,
                 "moe": self.moe,
                 "distributed": self.distributed(),
+                "unmeasured": self.unmeasured,
             }
         )
 

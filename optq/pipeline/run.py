@@ -7,6 +7,8 @@ through the block up to that group, accumulate ONE Hessian of the group's input,
 the group's weights together (their rows stacked: GPTQ treats rows independently and they share
 H), and write the quantized weights back, so the next group sees the effect of the earlier ones.
 The block's outputs then become the next block's inputs (``optq.pipeline.blocks.block`` does one block).
+A method that reads no calibration statistic (round-to-nearest, ``Run.weights_only``) skips all
+of that: each target is quantized from its weight alone, and no block runs a forward.
 
 Memory: the model stays where it is; only the current block is moved to ``device``. With
 T = nsamples x seqlen calibration tokens, b = batch_size x seqlen tokens per forward, h the
@@ -146,7 +148,12 @@ def before_blocks(
     release of what only the capture and the allocation needed, and its journal check, given the
     captured hidden states: returns the hidden states to continue from and, when resuming, a
     loader of the journal's float chain.
+
+    A run that quantizes from the weights alone (``run.weights_only``: round-to-nearest) needs
+    none of this: no hidden states, no calls (an empty list per block), no float chain.
     """
+    if run.weights_only:
+        return [], [[] for _ in run.blocks], None
     hidden, calls = capture.capture_inputs(model, run.blocks, run.batches, run.device)
     if run.settings.target_bits is not None and not report.allocation:
         if load_head is not None:

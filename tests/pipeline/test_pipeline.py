@@ -225,7 +225,9 @@ def test_rtn_method_rounds_to_nearest():
     report = _run(model, method="rtn")
     for n, m in _block_linears(model).items():
         assert torch.equal(get_weight(m), optq.rtn(before[n], CFG).weight), n
-        assert report.layers[n].objective == report.layers[n].rtn_objective
+        # from the weights alone: no Hessian to measure errors on (tests/pipeline/test_weights_only.py)
+        assert report.layers[n].objective is None and report.layers[n].rtn_objective is None
+    assert report.unmeasured is not None
 
 
 def test_text_calibration_with_a_tokenizer():

@@ -10,6 +10,10 @@ forward uses them), then takes one of two paths:
 - paused (``strategy="pause"``): every batch's forward pauses at each group's input while the
   group is solved, then resumes (:func:`_paused`).
 
+A run from the weights alone (``Run.weights_only``: round-to-nearest) takes neither: each target
+is quantized on its own, in the block's order, and the block never runs (a linear the forward
+would not call is quantized too).
+
 The block's outputs then replace its inputs. With method="gptaq" a float copy of the block runs
 beside it on the float chain (``fp_hidden``), pairing every Hessian input with the float model's
 (``optq.pipeline.blocks.twin``); its outputs replace the float chain.
@@ -64,6 +68,11 @@ def quantize_block(
     float_chain = run.settings.method_object.float_chain  # GPTAQ: a float copy of the block there
     if float_chain and fp_hidden is None:
         raise ValueError(f"method={run.settings.method!r} needs the float chain's hidden states (fp_hidden)")
+    if run.weights_only:  # each target from its weight alone: no forward, no Hessian, no outputs
+        work = BlockWork(run, prefix, block, linears, mine, hidden, calls, report, bar, release)
+        for k, name in enumerate(mine):
+            solve_units(work, [SolveUnit([name], None, run.settings.method_object, time.perf_counter())], k)
+        return
     if not mine:
         for chain in (hidden, fp_hidden) if float_chain else (hidden,):
             _forward_in_place(block, chain, calls, release)

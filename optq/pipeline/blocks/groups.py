@@ -149,6 +149,9 @@ def solve_group(work: BlockWork, unit: SolveUnit, index: int, members: Sequence[
 
 def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str], config: Any) -> None:
     hess, method, report = unit.hessian, unit.method, work.report
+    if hess is None:  # a run from the weights alone (Run.weights_only): no H to measure errors on
+        _from_weights(work, unit, index, subset, config)
+        return
     mods = [work.linears[n] for n in subset]
     weights = [get_weight(m) for m in mods]
     if hess.count == 0 and method.reads_hessian:
@@ -216,6 +219,35 @@ def _solve_stack(work: BlockWork, unit: SolveUnit, index: int, subset: list[str]
         log.debug("%s: objective %.4g, rtn %.4g", name, obj, rtn_obj)
     # Under a caller's autocast, weights cast earlier (e.g. by the discovery forward) stay cached
     # until the autocast region ends: drop them, or later forwards would use the old weights.
+    torch.clear_autocast_cache()
+
+
+def _from_weights(work: BlockWork, unit: SolveUnit, index: int, subset: list[str], config: Any) -> None:
+    """Quantize ``subset`` with a method that reads no Hessian, with no calibration token: the
+    report's rows hold no token count and null errors (``Report.unmeasured`` says why)."""
+    mods = [work.linears[n] for n in subset]
+    weights = [get_weight(m) for m in mods]
+    W = torch.cat(weights, dim=0)
+    sol, _ = unit.method.solve(W, None, None, config, work.run.settings)
+    seconds = time.perf_counter() - unit.started
+    row = 0
+    for name, mod, w in zip(subset, mods, weights):
+        n = w.shape[0]
+        part = _rows(sol, row, row + n)
+        row += n
+        work.report.layers[name] = LayerReport(
+            name=name,
+            shape=(int(w.shape[0]), int(w.shape[1])),
+            tokens=None,
+            damp=sol.damp,
+            objective=None,
+            rtn_objective=None,
+            relative_error=None,
+            seconds=seconds * n / W.shape[0],
+            subset=index,
+        )
+        set_weight(mod, part.weight)
+        work.report.solutions[name] = part
     torch.clear_autocast_cache()
 
 

@@ -64,6 +64,12 @@ def new_report(run: Run, options: dict[str, Any]) -> Report:
         block_seconds=[],
         skipped=dict(run.skipped),
         schemes=run.schemes.to_dict() if run.schemes is not None else {},
+        unmeasured=(
+            f"method {run.settings.method} reads no calibration activation: every layer was quantized from "
+            "its weight alone, with no calibration forward, so there is no Hessian to measure errors on"
+            if run.weights_only
+            else None
+        ),
     )
 
 

@@ -65,6 +65,17 @@ class Run:
     def block_name(self, i: int) -> str:
         return f"{self.blocks_name}.{i}"
 
+    @property
+    def weights_only(self) -> bool:
+        """Whether every target is quantized from its weight alone, with no calibration forward:
+        the method reads no Hessian nor a float chain (round-to-nearest), no ``target_bits``
+        allocation measures the layers, and the run is one process (ranks would meet at each
+        group). Then nothing captures block 0's inputs, no block runs, no Hessian is collected,
+        and the report's errors are null (``Report.unmeasured`` says why)."""
+        method = self.settings.method_object
+        activations = method.reads_hessian or method.float_chain or self.settings.target_bits is not None
+        return not activations and not self.dist.active
+
 
 def prepare(
     model: nn.Module, calibration: Any, config: QuantConfig, settings: RunSettings, tokenizer: Any = None

@@ -1,7 +1,11 @@
 """Round-to-nearest: every weight on its group's grid, no calibration statistic read.
 
-The pipeline still collects each group's Hessian for the report (the objective is measured on
-it), and uses this method as the fallback for experts no calibration token reached.
+It reads no Hessian (``reads_hessian = False``): a run with it and nothing else that needs
+calibration activations (``Run.weights_only``: no ``target_bits``, one process) quantizes each
+layer from its weight alone, with no calibration forward, and reports no error (null). Under
+``target_bits`` or several processes the blocks run as for every method, and each group's
+Hessian is collected for the report. The pipeline also uses this method as the fallback for
+experts no calibration token reached.
 """
 
 from __future__ import annotations

@@ -190,16 +190,19 @@ def _quantize_blocks(
     progress: bool,
 ) -> None:
     """Capture the first block's inputs (or take them from the journal) and what else comes before
-    the block loop (``optq.pipeline.run.before_blocks``), then the block loop."""
+    the block loop (``optq.pipeline.run.before_blocks``), then the block loop. A run from the
+    weights alone (``Run.weights_only``) captures nothing and journals no activations: a resume
+    continues from the journal's last finished block."""
     model, prefix, device = run.blocks, run.blocks_name, run.device
     head = _head_name(root)
     outside = (f"{prefix}.", *((f"{head}.",) if head else ()))
     blocks = StreamedBlocks(src, run, dtype)
     with torch.no_grad():
-        src.load(root, "", device, dtype, skip=outside)  # embeddings, final norm
-        _buffers_to(root, device)  # rotary tables
-        src.load(model[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
-        blocks.resident.add(0)
+        if not run.weights_only:  # a run from the weights alone reads each block's weights only
+            src.load(root, "", device, dtype, skip=outside)  # embeddings, final norm
+            _buffers_to(root, device)  # rotary tables
+            src.load(model[0], f"{prefix}.0", device, dtype)  # the capture runs block 0 once
+            blocks.resident.add(0)
 
         def load_head() -> None:  # the allocation's KL needs logits
             src.load(root, "", device, dtype, skip=(f"{prefix}.",))

@@ -94,7 +94,8 @@ class JournalSink:
         snap = {**snapshot(report), "natural": self.natural}
         # The source tensors read so far, hashed as they were read: a resume or the assembly
         # proves with them that the source still holds what these blocks were computed from.
-        chains = None if last else (hidden, fp_hidden)  # GPTAQ: the float chain's too, for an exact resume
+        # GPTAQ: the float chain's too, for an exact resume; a run from the weights alone has none.
+        chains = None if last or self.run.weights_only else (hidden, fp_hidden)
         self.journal.commit(i + 1, chains, snap, dict(self.src.digests))
 
 
