@@ -108,7 +108,9 @@ class Memo:
         # Frozen: a child whose last pending targets this pass hooks is final once it returns
         # (not a hooked linear itself: finishing it would save no later pass any work).
         final = (
-            (lambda c: c.pending <= hooked and not c.is_linear) if self.frozen and hooked else (lambda c: not c.pending)
+            (lambda c: not c.pending or (c.pending <= hooked and not c.is_linear))
+            if self.frozen and hooked
+            else (lambda c: not c.pending)
         )
         recording = [] if last else [c for c in self.children if c.outputs is None and final(c)]
         self.finishing = {n: c.module for c in recording for n in c.inside & hooked}
