@@ -104,7 +104,7 @@ class Hessian:
             if not bool(torch.isfinite(d.sum(dim=0)).all()):
                 raise ValueError("the float model's calibration input contains NaN/Inf values (or values too large)")
             for scale in scales:
-                d = d * scale
+                d.mul_(scale)  # d is the subtraction's own tensor: in place, the same products
             self.cross_sum.addmm_(d.T, x)
         self.sum.addmm_(x.T, x)  # in place: no K x K temporary
         self.count += x.shape[0]

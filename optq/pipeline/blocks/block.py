@@ -129,7 +129,9 @@ def _replayed(
     k = 0
     for stage in stages:
         if stage.module is None:
-            _dense_group(work, memo, schedule, stage.subsets[0], k)
+            # The last pass also moves the float twin's chain on (nothing after it needs its inputs).
+            last = stage is stages[-1] and not starved and original is None
+            _dense_group(work, memo, schedule, stage.subsets[0], k, last)
             k += 1
         else:
             k += moe_block.quantize_stage(work, memo, stage, k, tally)
@@ -151,7 +153,9 @@ def _replayed(
         work.release()
 
 
-def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset: list[str], k: int) -> None:
+def _dense_group(
+    work: BlockWork, memo: Memo, schedule: capture.Schedule, subset: list[str], k: int, last: bool = False
+) -> None:
     """One group of a dense block: replay the block up to it, fill its Hessian, solve it."""
     t0 = time.perf_counter()
     hess = work.new_hessian(subset)
@@ -160,7 +164,7 @@ def _dense_group(work: BlockWork, memo: Memo, schedule: capture.Schedule, subset
         work.run.dist.failing_together(),
         naming_inputs(work.prefix, subset),
         memo.replay_pass() as at_batch,
-        pairing(work.twin, {subset[0]: hess}, at_batch, per_forward) as (hooked, before),
+        pairing(work.twin, {subset[0]: hess}, at_batch, per_forward, keep=_keep if last else None) as (hooked, before),
     ):
         hess_in = hooked[subset[0]]
         capture.collect_hessian(

@@ -10,11 +10,14 @@ states and records the inputs of the linears the pass accumulates, call by call;
 forward's hooks then pair each input with the twin's (:meth:`FloatTwin.paired`). At the end of
 the block the twin's outputs replace the float chain, as the quantized block's replace ``hidden``.
 
-The twin replays its finished children like the block does (``optq.pipeline.blocks.memo``): its
-weights never change, but a child must still run while a later pass hooks a linear inside it, so
-it is final when the block's own child is (:meth:`FloatTwin.solved`, called with ``Memo.solved``).
-Cost: one more block in memory, the float activations beside the quantized ones, and about one
-more block forward per group.
+The twin replays its finished children like the block does (``optq.pipeline.blocks.memo``,
+``frozen``): its weights never change, so a child is final once no later pass hooks a linear
+inside it (:meth:`FloatTwin.solved`, called with ``Memo.solved``); the pass that hooks the last of
+them lets the twin finish the child and records its output before stopping (in a Llama block the
+o_proj pass runs the attention to its end, and later passes replay it). On the block's last pass
+(``keep``) the twin runs to the block's end and its outputs replace the float chain batch by
+batch, so :meth:`FloatTwin.propagate` has nothing left to run. Cost: one more block in memory,
+the float activations beside the quantized ones, and about one more block forward per block.
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ class FloatTwin:
         order, targets = names
         self.block = copy.deepcopy(block)
         self.linears = find_linears(self.block, prefix)
-        self.memo = Memo(self.block, prefix, list(self.linears), order, targets)
+        self.memo = Memo(self.block, prefix, list(self.linears), order, targets, frozen=True)
         self.hidden, self.calls = hidden, calls
         self.taken: dict[str, list[torch.Tensor]] = {}
+        self.propagated: set[int] = set()  # batches whose float chain already holds the twin's output
 
     def solved(self, names: Sequence[str]) -> None:
         """``names`` are quantized: no later pass records their inputs."""
@@ -89,40 +93,71 @@ class FloatTwin:
         hessians: dict[str, Any],
         calls_per_forward: int | None = None,
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        keep: Callable[[list[torch.Tensor], int, torch.Tensor], None] | None = None,
     ) -> Iterator[tuple[dict[str, _Paired], Callable[[int], None]]]:
         """For a pass accumulating ``hessians`` (by linear name): stand-ins to hook instead of
         them, and ``before(b)``, to call before batch ``b``'s quantized forward, which runs the
         twin on the float chain's batch ``b`` and records those linears' inputs. The twin stops
-        after ``calls_per_forward`` calls of the one linear when given, else runs to the end;
-        ``context()`` is entered around each twin forward (the expert stages' calibration)."""
+        after ``calls_per_forward`` calls of the one linear when given (at the end of the child
+        that contains it when the memo records that child now), else runs to the end;
+        ``context()`` is entered around each twin forward (the expert stages' calibration).
+        ``keep`` (the block's last pass, with ``calls_per_forward``): the twin runs every batch
+        to the block's end and ``keep(hidden, b, out)`` puts its output in the float chain once
+        batch ``b``'s quantized forward has taken the inputs (see :meth:`propagate`)."""
         recorded: dict[str, list[torch.Tensor]] = {}
+        stopping = [False]  # the hooked linear is done: stop when its recorded child returns
+        done: list[tuple[int, torch.Tensor]] = []  # the last batch's output, kept after its pairing
 
         def hook(name: str) -> Callable:
             def pre(_m: nn.Module, args: tuple) -> None:
-                recorded[name].append(args[0].detach())
-                if calls_per_forward is not None and len(recorded[name]) == calls_per_forward:
-                    raise _Stop
+                got = recorded[name]
+                if calls_per_forward is not None and len(got) >= calls_per_forward:
+                    return  # running on past the pass's stop (keep or a child to finish)
+                got.append(args[0].detach())
+                if calls_per_forward is not None and len(got) == calls_per_forward and keep is None:
+                    if name not in self.memo.finishing:
+                        raise _Stop
+                    stopping[0] = True
 
             return pre
 
+        def finished(_m: nn.Module, _args: tuple, _out: Any) -> None:
+            if stopping[0]:
+                raise _Stop
+
+        def flush() -> None:
+            if done:
+                b, out = done.pop()
+                keep(self.hidden, b, out)
+                self.propagated.add(b)
+
+        hooked = list(hessians) if calls_per_forward is not None else []
         handles = [self.linears[n].register_forward_pre_hook(hook(n)) for n in hessians]
         try:
-            with self.memo.replay_pass() as at_batch:
+            with self.memo.replay_pass(last=keep is not None, hooked=hooked) as at_batch:
+                children = {id(m): m for m in self.memo.finishing.values()}
+                handles += [m.register_forward_hook(finished) for m in children.values()]
 
                 def before(b: int) -> None:
                     self._left_over()
+                    flush()  # batch b-1's quantized forward has paired its inputs
                     for name in hessians:
                         recorded[name] = []
+                    stopping[0] = False
                     at_batch(b)
                     try:
                         with context():
-                            run_block(self.block, self.hidden[b], self.calls[b])
+                            out = run_block(self.block, self.hidden[b], self.calls[b])
                     except _Stop:
                         pass
+                    else:
+                        if keep is not None:
+                            done.append((b, out))
                     self.taken = dict(recorded)
 
                 yield {n: _Paired(self, n, h) for n, h in hessians.items()}, before
                 self._left_over()
+                flush()
         finally:
             for h in handles:
                 h.remove()
@@ -137,11 +172,15 @@ class FloatTwin:
             )
 
     def propagate(self, keep: Callable[[list[torch.Tensor], int, torch.Tensor], None]) -> None:
-        """The twin's outputs replace the float chain, batch by batch (``keep(hidden, b, out)``)."""
+        """The twin's outputs replace the float chain, batch by batch (``keep(hidden, b, out)``),
+        but for the batches the last pass already ran to the end (``paired(keep=...)``)."""
         with self.memo.replay_pass(last=True) as at_batch:
             for b, call in enumerate(self.calls):
+                if b in self.propagated:
+                    continue
                 at_batch(b)
                 keep(self.hidden, b, run_block(self.block, self.hidden[b], call))
+        self.propagated = set()
 
 
 @contextlib.contextmanager
@@ -151,14 +190,17 @@ def pairing(
     at_batch: Callable[[int], None],
     calls_per_forward: int | None = None,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    keep: Callable[[list[torch.Tensor], int, torch.Tensor], None] | None = None,
 ) -> Iterator[tuple[dict[str, Any], Callable[[int], None]]]:
     """What a Hessian pass hooks and calls before each batch: ``hessians`` and ``at_batch`` as
     they are without a twin (GPTQ), else the twin's stand-ins and ``at_batch`` preceded by the
-    twin's forward (see :meth:`FloatTwin.paired`)."""
+    twin's forward (see :meth:`FloatTwin.paired`; ``keep``: the block's last pass)."""
     if twin is None:
         yield hessians, at_batch
         return
-    with twin.paired(hessians, calls_per_forward, context) as (stand_ins, before):
+    if calls_per_forward is None:
+        keep = None  # a pass of many linears (experts): the float chain moves in propagate
+    with twin.paired(hessians, calls_per_forward, context, keep) as (stand_ins, before):
 
         def both(b: int) -> None:
             before(b)

@@ -4,7 +4,7 @@ A :class:`Method` says everything the run needs to know about one way of quantiz
 linears that share an input, so that no other module asks for a method by its name:
 
 - the activation chains it reads: the quantized model's alone, or also the float model's
-  (``float_chain``: a float copy of each block runs beside it, every pass twice, and each
+  (``float_chain``: a float copy of each block runs beside it, one more forward per block, and each
   Hessian input is paired with the float model's, which adds the cross Hessian per input);
 - whether its solve reads the Hessian at all (``reads_hessian``; round-to-nearest does not);
 - the solve itself (:meth:`Method.solve`, one stacked group on its Hessians);
@@ -12,7 +12,7 @@ linears that share an input, so that no other module asks for a method by its na
   on a model's experts);
 - how ``--target-bits``' proxy stands in for it (:attr:`Method.proxy`, :meth:`Method.proxy_weights`,
   :meth:`Method.differs_from_proxy`);
-- its terms in the dry-run plan (``float_chain`` doubles the forwards and the activations,
+- its terms in the dry-run plan (``float_chain`` adds a forward per block and doubles the activations,
   :meth:`Method.solve_cost`);
 - its modifiers in ``optq compare`` (:meth:`Method.variant_setting`, :meth:`Method.check_variant`).
 

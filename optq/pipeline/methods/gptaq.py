@@ -29,7 +29,7 @@ class Gptaq(Method):
     name = "gptaq"
     help = (
         "fit each layer to the float model's outputs (GPTAQ, Li et al. 2025; a float copy of each block runs "
-        "beside it: about 2-3x GPTQ's time, the activations twice; chosen on the shift matrix, docs/lab.md "
+        "beside it: about 1.5x GPTQ's time, the activations twice; chosen on the shift matrix, docs/lab.md "
         "section 8)"
     )
     float_chain = True

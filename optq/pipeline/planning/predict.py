@@ -20,7 +20,7 @@ smaller than the group the pipeline discovers, so the solve terms are upper boun
                + activations              T x h x c  (each batch's inputs replaced by its outputs)
                + recorded outputs         T x h x c  strategy "replay" (the attention's, replayed)
                + original outputs         T x h x c  propagate "original"
-               + float chain and twin     2 T x h x c + one block, method "gptaq" (every pass twice)
+               + float chain and twin     2 T x h x c + one block, method "gptaq" (one more forward per block)
                + paused forwards          T x (i + 2h) x c  strategy "pause"
                + batch temporaries        b x (3i + 3h) x 4
                + hessians + solve workspace   at the group with the largest sum:
@@ -125,9 +125,11 @@ def plan(
     for i, blk in enumerate(blocks):
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
-    gptaq = s.method_object.float_chain  # a float copy of each block runs every pass on the float chain too
+    gptaq = s.method_object.float_chain  # a float copy of each block runs on the float chain too
     replay = s.strategy == "replay" or gptaq  # GPTAQ pairs every batch with the float block's: it never pauses
-    passes = ((2 if replay else 1) + (1 if s.propagate == "original" else 0)) * (1 + gptaq)
+    # The float copy's weights never change: it replays its finished children and runs to the
+    # block's end on the last pass, one forward per block (optq.pipeline.blocks.twin).
+    passes = (2 if replay else 1) + (1 if s.propagate == "original" else 0) + gptaq
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
