@@ -10,8 +10,8 @@ benchmarks/results/gptaq_profile.json. Compare the two as ratios: the machine is
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
+import cProfile
 import json
 import os
 import pstats
@@ -57,7 +57,11 @@ def main() -> int:
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()  # recorded in the results
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optq.data.tokens import calibration_windows
@@ -74,7 +78,8 @@ def main() -> int:
     for m, (cost, _) in runs.items():
         print(f"{m:6s} wall {cost['wall_s']:7.1f} s  cpu {cost['cpu_s']:7.1f} s (system {cost['system_s']:.1f} s)")
     print(
-        f"gptaq / gptq: wall {ga_cost['wall_s'] / gq_cost['wall_s']:.2f}x, cpu {ga_cost['cpu_s'] / gq_cost['cpu_s']:.2f}x"
+        f"gptaq / gptq: wall {ga_cost['wall_s'] / gq_cost['wall_s']:.2f}x, "
+        f"cpu {ga_cost['cpu_s'] / gq_cost['cpu_s']:.2f}x"
     )
     names = sorted(set(gq) | set(ga), key=lambda n: -max(gq.get(n, 0.0), ga.get(n, 0.0)))[: args.top]
     print(f"\n{'own time (s)':70s} {'gptq':>8s} {'gptaq':>8s}")
