@@ -70,7 +70,7 @@ ROW_KEYS = ("peer", "bits", "group_size", "quantize_s", "peak_rss_mb", "kl", "kl
 def protocol(quick: bool) -> dict[str, Any]:
     """Calibration and evaluation sizes: the README's (128 x 512, 40 windows) or --quick's."""
     if quick:
-        return {"nsamples": 16, "seqlen": 256, "eval_seqlen": 512, "windows": 8, "corpora": list(CORPORA)}
+        return {"nsamples": 16, "seqlen": 256, "eval_seqlen": 512, "windows": 4, "corpora": list(CORPORA)}
     return {"nsamples": 128, "seqlen": 512, "eval_seqlen": 512, "windows": 40, "corpora": list(CORPORA)}
 
 
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=128)
     quick = ",".join(QUICK_PEERS)
     ap.add_argument("--peers", help=f"comma-separated, of: {', '.join(PEERS)} (default: all; --quick: {quick})")
-    ap.add_argument("--quick", action="store_true", help="16 x 256 calibration, 8 evaluation windows, 4 peers")
+    ap.add_argument("--quick", action="store_true", help="16 x 256 calibration, 4 evaluation windows a corpus, 4 peers")
     ap.add_argument("--json", type=Path, help="default benchmarks/results/peers-MODEL-BITS[-quick].json")
     ap.add_argument("--work", type=Path, help="venvs, calibration ids and checkpoints (default OPTQ_CACHE/bench/peers)")
     args = ap.parse_args(argv)
