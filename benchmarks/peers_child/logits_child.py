@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ap = argparse.ArgumentParser()
+ap.add_argument("--variant", help="unused: run_child passes it to every child")
 ap.add_argument("--loader", choices=["gptqmodel", "transformers"], required=True)
 ap.add_argument("--model", required=True)
 ap.add_argument("--ids", required=True)
