@@ -213,7 +213,8 @@ def _env(optq_on_path: bool) -> dict[str, str]:
 def run_child(python: Path, peer: Peer, args: list[str], log: Path, optq_on_path: bool) -> dict[str, Any]:
     """Run the peer's child script; its last ``PEER_RESULT {json}`` line, or RuntimeError."""
     cmd = [str(python), str(CHILDREN / peer.child), "--variant", peer.variant, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(optq_on_path))
+    # in the cell folder: GPTQModel writes logs/ into its working directory
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(optq_on_path), cwd=log.parent)
     log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER_RESULT ")]
     if proc.returncode or not lines:
