@@ -17,12 +17,13 @@ is found without it).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from optq.core import environment
 
 from . import CliError
 
@@ -98,7 +99,7 @@ def pip_find_links() -> list[str]:
         key, _, value = line.partition("=")
         if key.strip().endswith("find-links"):
             found += value.strip().strip("'\"").split()
-    found += os.environ.get("PIP_FIND_LINKS", "").split()
+    found += (environment.get("PIP_FIND_LINKS") or "").split()
     return list(dict.fromkeys(found))
 
 

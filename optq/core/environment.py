@@ -49,6 +49,11 @@ VARIABLES: dict[str, Variable] = {
             "vLLM's interpreter (its own virtualenv: `optq install-vllm`), for the vLLM tests and checks",
         ),
         Variable(
+            "PIP_FIND_LINKS",
+            "(unset)",
+            "pip's find-links, passed on to uv by `optq install-vllm` (uv reads no pip setting)",
+        ),
+        Variable(
             "PYTHONPATH",
             "(unset)",
             "passed on to the child that tokenises the calibration text, this optq's folder first",
