@@ -6,7 +6,8 @@ bit-identical weights, scales, zeros and group indices. Skipped unless `optq fet
 The same holds for load (a busy machine changes when work runs, not what it computes). What this
 cannot promise is the same bytes on another CPU: BLAS picks kernels by instruction set, and a
 float32 product summed in another order can move a weight across a rounding boundary
-(the README's numbers were printed on two AMD EPYC machines; docs/results.md)."""
+(the README's numbers were printed on an AMD EPYC here and on issue 34's fresh machine;
+docs/results.md)."""
 
 from __future__ import annotations
 
