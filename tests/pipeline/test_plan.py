@@ -214,3 +214,21 @@ def test_time_estimate_scales_with_speed(folder):
         assert p.seconds["hessians"] == pytest.approx(hessians / flops, rel=1e-12)
         assert p.seconds["solves"] == pytest.approx(solves * unit, rel=1e-12)
     assert plan_mod.machine_speed()["flops"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["replay", "pause"])
+def test_rtn_from_the_weights_alone_plans_no_calibration(folder, strategy):
+    # Run.weights_only: round-to-nearest without target_bits captures nothing, runs no block,
+    # holds no Hessian and journals no activations; its packed output is GPTQ's.
+    r, q = _plan(folder, method="rtn", strategy=strategy), _plan(folder, method="gptq", strategy=strategy)
+    assert r.capture == {} and q.capture["activations"] > 0
+    assert "while capturing" not in r.format() and "while capturing" in q.format()
+    assert r.ram["activations"] == r.ram["hessians"] == 0 < q.ram["hessians"]
+    assert not {"recorded outputs (replay)", "paused forwards", "batch temporaries"} & set(r.ram)
+    assert r.seconds["forwards"] == r.seconds["hessians"] == 0 < q.seconds["forwards"]
+    assert r.disk["journal: activations (2 files while replaced)"] == 0
+    assert r.output_bytes == q.output_bytes and r.journal_bytes[0] == q.journal_bytes[0]
+    assert any("reads no calibration" in n for n in r.notes) and not any("calibration" in n for n in q.notes)
+    # With target_bits the allocation measures every layer on calibration activations.
+    t = _plan(folder, method="rtn", strategy=strategy, target_bits=4.25)
+    assert t.capture and t.ram["activations"] > 0 and t.seconds["forwards"] > 0

@@ -38,6 +38,9 @@ group, g_idx int32 per input, bias float16; every other tensor as stored; header
 config and copied files) + the journal (the packed blocks, and two activation files of
 T x h x c while one is replaced), which is still there when the output shards are assembled.
 
+A run from the weights alone (round-to-nearest without ``target_bits``, ``Run.weights_only``)
+captures nothing and runs no block: no capture phase, no activations, Hessians or forwards.
+
 The time is an estimate, rough by design (+-50%): forward FLOPs at this machine's measured
 matmul rate, Hessian accumulation at 2 T K^2 per group, and solves scaled from one timed
 ``optq.gptq`` on a 1024 x 1024 weight by K^3 + R K^2.
@@ -45,7 +48,6 @@ matmul rate, Hessian accumulation at 2 T K^2 per group, and solves scaled from o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,20 +58,18 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats.expert_slices import fused_slices
 from optq.formats.experts import checkpoint_namer, layer_namer, unfuse_experts
-from optq.formats.files import safetensors_header, split_shards
+from optq.formats.files import split_shards
 from optq.formats.layout import Scheme, packed_layout, quantization_config
 from optq.formats.linears import find_linears, get_weight
 from optq.pipeline.blocks.calibration import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from optq.pipeline.blocks.moe.stages import hessian_bytes
 from optq.pipeline.discovery import drop_routers, expert_parts, find_blocks, select_names, siblings
 from optq.pipeline.planning.runplan import RUNTIME_BYTES, RunPlan, machine_speed
+from optq.pipeline.planning.sizes import header_bytes, json_len, nbytes, small_files
 from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings, dtype_name
 
 __all__ = ["plan"]
-
-# quantization_report.json: a layer's row (plus its name twice), a block's seconds, the rest.
-_REPORT_BYTES_PER_LAYER, _REPORT_BYTES_PER_BLOCK, _REPORT_BYTES = 495, 26, 2900
 
 
 def plan(
@@ -125,11 +125,15 @@ def plan(
     for i, blk in enumerate(blocks):
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
-    gptaq = s.method_object.float_chain  # a float copy of each block runs on the float chain too
+    method = s.method_object
+    gptaq = method.float_chain  # a float copy of each block runs on the float chain too
+    # As Run.weights_only (in one process): round-to-nearest without target_bits reads no
+    # calibration at all, so nothing is captured, no block runs and no Hessian is held.
+    weights_only = not (method.reads_hessian or gptaq or s.target_bits is not None)
     replay = s.strategy == "replay" or gptaq  # GPTAQ pairs every batch with the float block's: it never pauses
     # The float copy's weights never change: it replays its finished children and runs to the
     # block's end on the last pass, one forward per block (optq.pipeline.blocks.twin).
-    passes = (2 if replay else 1) + (1 if s.propagate == "original" else 0) + gptaq
+    passes = 0 if weights_only else (2 if replay else 1) + (1 if s.propagate == "original" else 0) + gptaq
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
@@ -141,13 +145,19 @@ def plan(
         if id(t) not in block_ids and (id(t) not in head_ids or id(t) in emb_ids)
     )
     act, one_block, temps = T * h * c, max(tally.block_params) * c, b * (3 * inter + 3 * h) * 4
-    capture = {
-        "runtime": RUNTIME_BYTES,
-        "embeddings (+ norm)": outside,
-        "one block": one_block,
-        "activations": act,
-        "batch temporaries": temps,
-    }
+    if weights_only:
+        act = temps = 0
+    capture = (
+        {}
+        if weights_only
+        else {
+            "runtime": RUNTIME_BYTES,
+            "embeddings (+ norm)": outside,
+            "one block": one_block,
+            "activations": act,
+            "batch temporaries": temps,
+        }
+    )
     ram = {
         "runtime": RUNTIME_BYTES,
         "one block": one_block,
@@ -155,25 +165,25 @@ def plan(
         "recorded outputs (replay)": act if replay else 0,
         "original outputs": act if s.propagate == "original" else 0,
         "float chain, its recorded outputs and block (gptaq)": 2 * act + one_block if gptaq else 0,
-        "paused forwards": T * (inter + 2 * h) * c if not replay else 0,
+        "paused forwards": T * (inter + 2 * h) * c if not (replay or weights_only) else 0,
         "batch temporaries": temps,
-        "hessians": tally.peak[0],
-        "solve workspace": tally.peak[1],
+        "hessians": 0 if weights_only else tally.peak[0],
+        "solve workspace": tally.peak[1],  # rounding alone needs less: an upper bound
     }
     ram = {k: int(v) for k, v in ram.items() if v or k in ("activations", "hessians", "solve workspace")}
 
     replaced = {k.rsplit(".", 1)[0] for k in tally.packed}
     entries = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] not in replaced} | tally.packed
-    sizes = {k: _nbytes(v) for k, v in entries.items()}
+    sizes = {k: nbytes(v) for k, v in entries.items()}
     shards = split_shards({k: sizes[k] for k in sorted(entries)}, s.shard_bytes)
-    headers = sum(_header_bytes({k: entries[k] for k in shard}) for shard in shards)
+    headers = sum(header_bytes({k: entries[k] for k in shard}) for shard in shards)
     tensor_bytes = sum(sizes.values())
-    small = _small_files(cfg, quantization_config(Scheme.of_config(config), s.format), len(blocks), targets, src)
+    small = small_files(cfg, quantization_config(Scheme.of_config(config), s.format), len(blocks), targets, src)
     if len(shards) > 1:
         weight_map = {k: f"model-00001-of-{len(shards):05d}.safetensors" for k in entries}
-        small += _json_len({"metadata": {"total_size": tensor_bytes}, "weight_map": weight_map})
-    block_files = sum(_nbytes(v) for v in tally.packed.values()) + sum(
-        _header_bytes({k: v for k, v in tally.packed.items() if k.startswith(f"{blocks_name}.{i}.")})
+        small += json_len({"metadata": {"total_size": tensor_bytes}, "weight_map": weight_map})
+    block_files = sum(nbytes(v) for v in tally.packed.values()) + sum(
+        header_bytes({k: v for k, v in tally.packed.items() if k.startswith(f"{blocks_name}.{i}.")})
         for i in range(len(blocks))
     )
     disk = {
@@ -187,11 +197,15 @@ def plan(
     sp = speed or machine_speed()
     seconds = {
         "forwards": passes * (tally.flops + attn_flops) / sp["flops"],
-        "hessians": tally.hess_flops * (1 + gptaq) / sp["flops"],
+        "hessians": 0.0 if weights_only else tally.hess_flops * (1 + gptaq) / sp["flops"],
         "solves": tally.solve_units * sp["solve_unit"],
         "assembly": (tensor_bytes + headers) / 0.5e9,
     }
     notes = []
+    if weights_only:
+        notes.append(
+            f"method {s.method} reads no calibration: each weight is rounded alone, nothing is captured or run"
+        )
     if gptaq and s.strategy == "pause":
         notes.append("strategy pause: GPTAQ pairs every batch with the float block's, so every block is replayed")
     three_d = [n for n, p in blocks[-1].named_parameters() if p.dim() >= 3]
@@ -314,30 +328,6 @@ class _Tally:
         self.listing.append({"name": bname, "params": int(params), "linears": rows})
 
 
-def _small_files(cfg: dict[str, Any], qconfig: dict[str, Any], n_blocks: int, targets: set[str], src: Any) -> int:
-    # config.json, quantize_config.json, the report, and the source's copied files.
-    conf = {k: v for k, v in cfg.items() if k != "quantization_config"} | {"quantization_config": qconfig}
-    small = (
-        _json_len(conf)
-        + _json_len(qconfig)
-        + _REPORT_BYTES
-        + n_blocks * _REPORT_BYTES_PER_BLOCK
-        + sum(_REPORT_BYTES_PER_LAYER + 2 * len(n) for n in targets)
-    )
-    if src is not None:
-        from optq.pipeline.stream.assemble import COPIED, NOT_COPIED
-
-        small += sum(
-            p.stat().st_size for pat in COPIED for p in src.folder.glob(pat) if p.name not in NOT_COPIED and p.is_file()
-        )
-    return small
-
-
-def _nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
-    shape, dtype = spec
-    return int(torch.Size(shape).numel()) * dtype.itemsize
-
-
 def _skeleton(source: Any) -> tuple[nn.Module, dict[str, Any], Any]:
     """(meta model, config dict, SafetensorsSource or None) of a folder, name, config dict or config.
 
@@ -388,12 +378,3 @@ def _groups(linears: dict[str, nn.Module]) -> dict[str, list[str]]:
         K = get_weight(mod).shape[1]
         groups.setdefault(f"{name.rpartition('.')[0]}@{K}", []).append(name)
     return groups
-
-
-def _header_bytes(entries: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes of a safetensors header for these tensors, as optq writes it."""
-    return len(safetensors_header(entries, {"format": "pt"})[1])
-
-
-def _json_len(obj: Any) -> int:
-    return len((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())

@@ -103,7 +103,8 @@ class RunPlan:
                 lines.append(f"  {k:<32} {_size(v)}")
             lines.append(f"  {'total':<32} {_size(sum(terms.values()))}")
 
-        table("peak RAM while capturing the first block's inputs", self.capture)
+        if self.capture:  # a run from the weights alone captures nothing
+            table("peak RAM while capturing the first block's inputs", self.capture)
         table("peak RAM while quantizing blocks", self.ram)
         table("peak RAM while assembling the output", self.assembly)
         lines.append(f"predicted peak RAM {self.peak_ram / GB:.2f} GB")
