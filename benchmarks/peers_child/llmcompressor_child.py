@@ -23,6 +23,12 @@ if args.variant == "gptq-imatrix":
     weights["observer"] = "imatrix_mse"
 groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
 if args.variant == "awq":
+    if not torch.accelerator.is_available():
+        # 0.14's AWQ pins its cached activations for host-to-device copies, which a torch with no
+        # accelerator refuses ("Cannot access accelerator device"); on the CPU there is no copy.
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     recipe = [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
     asked = "AWQModifier defaults (duo scaling, 20-point grid), then round-to-nearest, sym"
 else:
