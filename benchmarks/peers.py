@@ -238,6 +238,17 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
 
 
+def model_folder(out: Path) -> Path:
+    """The folder under a child's --out that holds the checkpoint: OUT itself, or its one
+    subfolder with a config.json (auto-round 0.16 writes into OUT/<model>-w<bits>g<group>/)."""
+    if (out / "config.json").exists():
+        return out
+    inner = [d for d in out.iterdir() if (d / "config.json").exists()] if out.is_dir() else []
+    if len(inner) != 1:
+        raise RuntimeError(f"{out} holds no checkpoint (no config.json in it or in one subfolder of it)")
+    return inner[0]
+
+
 def run_cell(peer: Peer, args: argparse.Namespace, folder: Path, calib: Path, work: Path, proto: dict) -> dict:
     size = f"{proto['nsamples']}x{proto['seqlen']}"
     cell = work / "cells" / f"{folder.name}-{peer.name}-{args.bits}b-g{args.group_size}-{size}"
@@ -255,7 +266,7 @@ def run_cell(peer: Peer, args: argparse.Namespace, folder: Path, calib: Path, wo
         quant = run_child(python, peer, child_args, cell / "quantize.log", peer.venv is None)
         quant.update(bytes=folder_bytes(ckpt), install_s=install.get("install_s"))
         done.write_text(json.dumps(quant, indent=2) + "\n")
-    evaluation = evaluate(ckpt, folder, proto, cell / "eval.json")
+    evaluation = evaluate(model_folder(ckpt), folder, proto, cell / "eval.json")
     return {**make_row(peer.name, args.bits, args.group_size, quant, evaluation), "install_s": quant.get("install_s")}
 
 

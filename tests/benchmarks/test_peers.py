@@ -158,3 +158,20 @@ def test_child_helper_prints_one_result_line(tmp_path):
     got = json.loads(line.removeprefix("PEER_RESULT "))
     assert got["version"] == "9.9" and got["notes"] == "asked for sym" and got["bytes_hint"] == 3
     assert got["peak_rss_mb"] > 1 and got["quantize_s"] >= 0
+
+
+def test_the_checkpoint_is_found_in_out_or_its_one_subfolder(tmp_path):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "config.json").write_text("{}")
+    assert peers.model_folder(flat) == flat
+    nested = tmp_path / "nested"  # auto-round 0.16: OUT/<model>-w4g64/
+    (nested / "smol-w4g64").mkdir(parents=True)
+    (nested / "smol-w4g64" / "config.json").write_text("{}")
+    (nested / "logs").mkdir()
+    assert peers.model_folder(nested) == nested / "smol-w4g64"
+    (nested / "other").mkdir()
+    (nested / "other" / "config.json").write_text("{}")
+    for bad in (nested, tmp_path / "missing", tmp_path / "logs-only"):
+        with pytest.raises(RuntimeError, match="holds no checkpoint"):
+            peers.model_folder(bad)
