@@ -289,13 +289,15 @@ def _check_values(
 ) -> None:
     """Catch corrupt data before it turns into NaN logits: one reduction per tensor.
 
-    Scales of quantized layers must be finite and > 0 (the grids always give a positive scale,
-    also for all-zero groups); every other float tensor finite; g_idx within the groups.
+    Scales of quantized layers must be finite and nonzero (optq's grids give positive scales,
+    also for all-zero groups; auto-round's symmetric checkpoints give negative ones too, so that
+    the code 0 reaches the group's larger-magnitude extreme); every other float tensor finite;
+    g_idx within the groups.
     """
     bad = None
     if quantized and key.endswith(_SCALES) and tensor.is_floating_point():
-        if not bool(((tensor > 0) & (tensor < float("inf"))).all()):
-            bad = "scales that are not finite and positive"
+        if not bool((torch.isfinite(tensor) & (tensor != 0)).all()):
+            bad = "scales that are not finite and nonzero"
     elif tensor.is_floating_point():
         if not bool(torch.isfinite(tensor).all()):
             bad = "NaN or infinite values"

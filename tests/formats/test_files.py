@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from formats.test_checkpoint import _quantize, _tiny_llama
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import optq
 from optq.formats import atomic, files
@@ -178,10 +178,9 @@ def _poke(folder: Path, key: str, value: float) -> Path:
 @pytest.mark.parametrize(
     "key,value,what",
     [
-        ("model.layers.1.mlp.up_proj.scales", float("nan"), "scales that are not finite and positive"),
-        ("model.layers.0.self_attn.q_proj.scales", float("inf"), "scales that are not finite and positive"),
-        ("model.layers.0.self_attn.q_proj.scales", 0.0, "scales that are not finite and positive"),
-        ("model.layers.0.self_attn.q_proj.scales", -0.5, "scales that are not finite and positive"),
+        ("model.layers.1.mlp.up_proj.scales", float("nan"), "scales that are not finite and nonzero"),
+        ("model.layers.0.self_attn.q_proj.scales", float("inf"), "scales that are not finite and nonzero"),
+        ("model.layers.0.self_attn.q_proj.scales", 0.0, "scales that are not finite and nonzero"),
         ("model.embed_tokens.weight", float("nan"), "NaN or infinite values"),
         ("model.norm.weight", float("-inf"), "NaN or infinite values"),
         ("model.layers.0.mlp.down_proj.g_idx", 7, r"group indices outside \[0, 4\)"),
@@ -192,6 +191,23 @@ def test_corrupt_values_are_refused(saved: Path, key: str, value: float, what: s
     path = _poke(saved, key, value)
     with pytest.raises(CheckpointError, match=rf"{path}: tensor {key} has {what}; .*re-save"):
         optq.load(saved, embeddings="model")
+
+
+def test_negative_scales_load_and_negate_the_layer(saved: Path) -> None:
+    # auto-round's symmetric GPTQ checkpoints hold negative scales (about half of them): valid,
+    # since W = scale * (q - z) holds for either sign. Negating every scale of a layer must load
+    # and negate that layer's output, nothing else.
+    key = "model.layers.0.self_attn.q_proj.scales"
+    model = optq.load(saved, embeddings="model")
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = model.model.layers[0].self_attn.q_proj(x)
+    fname, _, _ = read_index(saved)[key]
+    tensors = load_file(saved / fname)
+    tensors[key] = -tensors[key]
+    save_file(tensors, saved / fname, metadata={"format": "pt"})
+    after = optq.load(saved, embeddings="model").model.layers[0].self_attn.q_proj(x)
+    torch.testing.assert_close(after, -before)
+    assert before.abs().max() > 0
 
 
 def test_inspect_summary_first_and_natural_order(tmp_path: Path, capsys) -> None:
