@@ -283,6 +283,13 @@ class RunSettings:
         return methods.get(self.method)
 
     @property
+    def reads_calibration(self) -> bool:
+        """Whether the run needs calibration activations: the method reads a Hessian or a float
+        chain, or ``target_bits`` measures the layers. Round-to-nearest alone does not."""
+        method = self.method_object
+        return method.reads_hessian or method.float_chain or self.target_bits is not None
+
+    @property
     def hessian_budget(self) -> int:
         """Bytes one stage of experts' Hessians may take (the default resolved on this machine)."""
         return self.max_hessian_memory or default_hessian_budget()

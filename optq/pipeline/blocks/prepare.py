@@ -72,9 +72,7 @@ class Run:
         allocation measures the layers, and the run is one process (ranks would meet at each
         group). Then nothing captures block 0's inputs, no block runs, no Hessian is collected,
         and the report's errors are null (``Report.unmeasured`` says why)."""
-        method = self.settings.method_object
-        activations = method.reads_hessian or method.float_chain or self.settings.target_bits is not None
-        return not activations and not self.dist.active
+        return not self.settings.reads_calibration and not self.dist.active
 
 
 def prepare(

@@ -125,11 +125,10 @@ def plan(
     for i, blk in enumerate(blocks):
         tally.block(f"{blocks_name}.{i}", blk, names[f"{blocks_name}.{i}"])
     attn_flops = 4 * T * seqlen * h * len(blocks)
-    method = s.method_object
-    gptaq = method.float_chain  # a float copy of each block runs on the float chain too
+    gptaq = s.method_object.float_chain  # a float copy of each block runs on the float chain too
     # As Run.weights_only (in one process): round-to-nearest without target_bits reads no
     # calibration at all, so nothing is captured, no block runs and no Hessian is held.
-    weights_only = not (method.reads_hessian or gptaq or s.target_bits is not None)
+    weights_only = not s.reads_calibration
     replay = s.strategy == "replay" or gptaq  # GPTAQ pairs every batch with the float block's: it never pauses
     # The float copy's weights never change: it replays its finished children and runs to the
     # block's end on the last pass, one forward per block (optq.pipeline.blocks.twin).
