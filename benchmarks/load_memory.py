@@ -74,9 +74,14 @@ print(json.dumps({"base": base, "peak": peak, "loaded": resident(), "seconds": s
 """
 
 
-def measure(folder: Path, route: str) -> dict[str, float]:
-    """One fresh process loading ``folder`` by ``route``: bytes at base, peak and loaded."""
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}  # which optq: PYTHONPATH's
+def measure(folder: Path, route: str, env: dict[str, str] | None = None) -> dict[str, float]:
+    """One fresh process loading ``folder`` by ``route``: bytes at base, peak and loaded.
+
+    ``env``: variables added to the child's environment (the tests fix glibc's mmap threshold
+    with ``MALLOC_MMAP_THRESHOLD_``: its dynamic growth makes the peak vary by up to 27 MB from
+    run to run, whether one freed temporary went back to the system or stayed on the heap)."""
+    path = os.environ.get("PYTHONPATH") or str(ROOT)  # which optq: PYTHONPATH's
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(folder), route],
         check=True,
