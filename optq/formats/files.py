@@ -28,6 +28,7 @@ __all__ = [
     "write_safetensors_file",
     "safetensors_header",
     "split_shards",
+    "tensor_nbytes",
     "SAFETENSORS_DTYPES",
     "natural_key",
 ]
@@ -121,7 +122,7 @@ def write_safetensors_lazily(
     tensor when it is written. The same specs give the same files as ``write_safetensors``.
     """
     limit = parse_size(max_shard_size)
-    sizes = {name: _nbytes(shape, dtype) for name, (shape, dtype) in specs.items()}
+    sizes = {name: tensor_nbytes(shape, dtype) for name, (shape, dtype) in specs.items()}
     shards = split_shards(sizes, limit)
     meta = {"format": "pt"}
     if len(shards) == 1:
@@ -154,7 +155,8 @@ _ORDER = {
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of this shape and dtype in a safetensors file (or in memory)."""
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
@@ -171,7 +173,7 @@ def safetensors_header(
     offset = 0
     for name in order:
         shape, dtype = specs[name]
-        end = offset + _nbytes(shape, dtype)
+        end = offset + tensor_nbytes(shape, dtype)
         header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -352,10 +354,10 @@ class TensorReader:
         fname, shape, dtype = self.index[key]
         fh, start, offsets = self._file(fname)
         begin, end = offsets[key]
-        if end - begin != _nbytes(shape, dtype):
+        if end - begin != tensor_nbytes(shape, dtype):
             raise _corrupt(self.folder / fname, ValueError(f"tensor {key}'s offsets do not fit its shape"))
         if rows is not None:
-            row = _nbytes(shape[1:], dtype)
+            row = tensor_nbytes(shape[1:], dtype)
             begin, end, shape = begin + rows[0] * row, begin + rows[1] * row, (rows[1] - rows[0], *shape[1:])
         out = torch.empty(shape, dtype=dtype)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())

@@ -58,14 +58,14 @@ from torch import nn
 from optq.core.config import QuantConfig
 from optq.formats.expert_slices import fused_slices
 from optq.formats.experts import checkpoint_namer, layer_namer, unfuse_experts
-from optq.formats.files import split_shards
+from optq.formats.files import split_shards, tensor_nbytes
 from optq.formats.layout import Scheme, packed_layout, quantization_config
 from optq.formats.linears import find_linears, get_weight
 from optq.pipeline.blocks.calibration import DEFAULT_NSAMPLES, DEFAULT_SEQLEN
 from optq.pipeline.blocks.moe.stages import hessian_bytes
 from optq.pipeline.discovery import drop_routers, expert_parts, find_blocks, select_names, siblings
 from optq.pipeline.planning.runplan import RUNTIME_BYTES, RunPlan, machine_speed
-from optq.pipeline.planning.sizes import header_bytes, json_len, nbytes, small_files
+from optq.pipeline.planning.sizes import header_bytes, json_len, small_files
 from optq.pipeline.schemes import LayerSchemes, resolve
 from optq.pipeline.settings import RunSettings, dtype_name
 
@@ -173,7 +173,7 @@ def plan(
 
     replaced = {k.rsplit(".", 1)[0] for k in tally.packed}
     entries = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] not in replaced} | tally.packed
-    sizes = {k: nbytes(v) for k, v in entries.items()}
+    sizes = {k: tensor_nbytes(*v) for k, v in entries.items()}
     shards = split_shards({k: sizes[k] for k in sorted(entries)}, s.shard_bytes)
     headers = sum(header_bytes({k: entries[k] for k in shard}) for shard in shards)
     tensor_bytes = sum(sizes.values())
@@ -181,7 +181,7 @@ def plan(
     if len(shards) > 1:
         weight_map = {k: f"model-00001-of-{len(shards):05d}.safetensors" for k in entries}
         small += json_len({"metadata": {"total_size": tensor_bytes}, "weight_map": weight_map})
-    block_files = sum(nbytes(v) for v in tally.packed.values()) + sum(
+    block_files = sum(tensor_nbytes(*v) for v in tally.packed.values()) + sum(
         header_bytes({k: v for k, v in tally.packed.items() if k.startswith(f"{blocks_name}.{i}.")})
         for i in range(len(blocks))
     )

@@ -32,11 +32,6 @@ def small_files(cfg: dict[str, Any], qconfig: dict[str, Any], n_blocks: int, tar
     return small
 
 
-def nbytes(spec: tuple[tuple[int, ...], torch.dtype]) -> int:
-    shape, dtype = spec
-    return int(torch.Size(shape).numel()) * dtype.itemsize
-
-
 def header_bytes(entries: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
     """Bytes of a safetensors header for these tensors, as optq writes it."""
     return len(safetensors_header(entries, {"format": "pt"})[1])
