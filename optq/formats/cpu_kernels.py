@@ -64,7 +64,7 @@ KERNEL_GROUPS = (256, 128, 64, 32)
 
 PREFILL_ROWS = {2: 80, 3: 80, 4: 80, 8: 40}
 """Rows (tokens) per call from which dequantize + bfloat16 matmul replaces the int4 kernel, by
-bits: where the two cross on SmolLM2's layer shapes (benchmarks/kernels.py; an 8-bit layer takes
+bits: where the two cross on SmolLM2's layer shapes (benchmarks/prefill_kernels.py; an 8-bit layer takes
 two int4 calls, so it crosses earlier)."""
 
 

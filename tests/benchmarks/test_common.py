@@ -67,3 +67,36 @@ def test_a_script_run_from_the_root_imports_this_checkouts_optq():
         [sys.executable, "-P", "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True
     )
     assert Path(out.stdout.strip()).resolve().parent == (root / "optq").resolve()
+
+
+def _folders_put_on_the_path(root: Path) -> list[Path]:
+    # the folders scripts put first on sys.path, and those pytest's default "prepend" import mode
+    # puts there (tests/ and its subfolders hold no __init__.py)
+    folders = [root, root / "benchmarks", root / "benchmarks" / "peers_child", root / "tests"]
+    return folders + [p for p in (root / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_no_module_put_on_the_path_shadows_an_installed_or_standard_one():
+    # transformers 5.25 imports the `kernels` package once it is installed; a benchmarks/kernels.py
+    # first on the path made every model import fail in CI. Any such name shadows silently.
+    import importlib.machinery
+
+    root = BENCH.parent.resolve()
+    ours = _folders_put_on_the_path(root)
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() not in ours]
+    clashes = {
+        str(f.relative_to(root)): f.stem
+        for folder in ours[1:]
+        for f in folder.glob("*.py")
+        if f.stem != "conftest"
+        and (f.stem in sys.stdlib_module_names or importlib.machinery.PathFinder.find_spec(f.stem, elsewhere))
+    }
+    assert not clashes, f"rename these: they hide an installed or standard module of the same name: {clashes}"
+
+
+def test_the_shadow_check_sees_a_clash(tmp_path, monkeypatch):
+    # the check above must be able to fail: a planted installed module named like a benchmark
+    (tmp_path / "common.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AssertionError, match="common"):
+        test_no_module_put_on_the_path_shadows_an_installed_or_standard_one()

@@ -7,7 +7,7 @@ crossover sets ``optq.formats.cpu_kernels.PREFILL_ROWS``. Median of ``--repeats`
 loops, all variants interleaved in one process. Note: a layer's weights fit this CPU's caches,
 so fp32 looks better here than in a whole model, where it reads 4 bytes per weight from memory.
 
-    python benchmarks/kernels.py [--rows 1,2,4,8,16,32,64,256] [--repeats 5]
+    python benchmarks/prefill_kernels.py [--rows 1,2,4,8,16,32,64,256] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> int:
                 row = {"k": k, "n": n, "bits": bits, "rows": m, **{f: statistics.median(t) for f, t in times.items()}}
                 results.append(row)
                 print(f"{k:5d} {n:5d} {bits:4d} {m:5d} {row['int4']:9.1f} {row['dequant']:15.1f} {row['fp32']:9.1f}")
-    out = ROOT / "benchmarks" / "results" / "kernels.json"
+    out = ROOT / "benchmarks" / "results" / "prefill_kernels.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"prefill_rows": cpu_kernels.PREFILL_ROWS, "threads": torch.get_num_threads(), "results": results}
     out.write_text(json.dumps(payload, indent=2) + "\n")
