@@ -211,14 +211,21 @@ def _env(optq_on_path: bool) -> dict[str, str]:
 
 
 def run_child(python: Path, peer: Peer, args: list[str], log: Path, optq_on_path: bool) -> dict[str, Any]:
-    """Run the peer's child script; its last ``PEER_RESULT {json}`` line, or RuntimeError."""
+    """Run the peer's child script; its last ``PEER_RESULT {json}`` line, or RuntimeError.
+
+    The child's output (stdout and stderr as they come) goes to ``log`` while it runs, so a long
+    quantization can be followed there and a killed one leaves what it printed."""
     cmd = [str(python), str(CHILDREN / peer.child), "--variant", peer.variant, *args]
-    # in the cell folder: GPTQModel writes logs/ into its working directory
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(optq_on_path), cwd=log.parent)
-    log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER_RESULT ")]
+    with log.open("w") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        # in the cell folder: GPTQModel writes logs/ into its working directory
+        env = {**_env(optq_on_path), "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=log.parent)
+    printed = log.read_text()
+    lines = [line for line in printed.splitlines() if line.startswith("PEER_RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"{peer.child} exit {proc.returncode}:\n{_tail(proc.stderr or proc.stdout)}")
+        raise RuntimeError(f"{peer.child} exit {proc.returncode}:\n{_tail(printed)}")
     return json.loads(lines[-1].removeprefix("PEER_RESULT "))
 
 
@@ -244,7 +251,10 @@ def model_folder(out: Path) -> Path:
     if (out / "config.json").exists():
         return out
     inner = [d for d in out.iterdir() if (d / "config.json").exists()] if out.is_dir() else []
-    if len(inner) != 1:
+    if len(inner) > 1:
+        names = ", ".join(sorted(d.name for d in inner))
+        raise RuntimeError(f"{out} holds {len(inner)} checkpoints ({names}): which one the peer wrote is unclear")
+    if not inner:
         raise RuntimeError(f"{out} holds no checkpoint (no config.json in it or in one subfolder of it)")
     return inner[0]
 

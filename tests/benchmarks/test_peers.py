@@ -92,6 +92,27 @@ def test_a_failing_child_raises_with_its_stderr_tail(tmp_path, monkeypatch):
     assert good == {"quantize_s": 1.5}
 
 
+def test_a_childs_output_reaches_its_log_while_it_runs(tmp_path, monkeypatch):
+    # the child finds its own first line in the log before it ends, or fails
+    child = """import sys, time
+from pathlib import Path
+print("calibrating block 1 of 30")
+log = Path(sys.argv[-1])
+for _ in range(200):
+    if "calibrating block 1 of 30" in log.read_text():
+        print('PEER_RESULT {"seen": true}')
+        sys.exit(0)
+    time.sleep(0.05)
+sys.exit("the log was empty while the child ran")
+"""
+    (tmp_path / "slow.py").write_text(child)
+    monkeypatch.setattr(peers, "CHILDREN", tmp_path)
+    log = tmp_path / "quantize.log"
+    got = peers.run_child(Path(sys.executable), peers.Peer("x", None, "slow.py", "v"), [str(log)], log, False)
+    assert got == {"seen": True}
+    assert log.read_text().startswith("$ ") and "calibrating block 1 of 30" in log.read_text()
+
+
 @pytest.fixture
 def stand_ins(tmp_path, monkeypatch):
     """main() with the model folder, calibration, evaluation and cells stood in for."""
@@ -172,6 +193,9 @@ def test_the_checkpoint_is_found_in_out_or_its_one_subfolder(tmp_path):
     assert peers.model_folder(nested) == nested / "smol-w4g64"
     (nested / "other").mkdir()
     (nested / "other" / "config.json").write_text("{}")
-    for bad in (nested, tmp_path / "missing", tmp_path / "logs-only"):
+    with pytest.raises(RuntimeError, match=r"holds 2 checkpoints \(other, smol-w4g64\)"):
+        peers.model_folder(nested)
+    (tmp_path / "logs-only" / "logs").mkdir(parents=True)
+    for bad in (tmp_path / "missing", tmp_path / "logs-only"):
         with pytest.raises(RuntimeError, match="holds no checkpoint"):
             peers.model_folder(bad)
