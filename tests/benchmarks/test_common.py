@@ -72,7 +72,7 @@ def test_a_script_run_from_the_root_imports_this_checkouts_optq():
 def _folders_put_on_the_path(root: Path) -> list[Path]:
     # the folders scripts put first on sys.path, and those pytest's default "prepend" import mode
     # puts there (tests/ and its subfolders hold no __init__.py)
-    folders = [root, root / "benchmarks", root / "benchmarks" / "peers_child", root / "tests"]
+    folders = [root / "benchmarks", root / "benchmarks" / "peers_child", root / "tests"]
     return folders + [p for p in (root / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"]
 
 
@@ -83,10 +83,11 @@ def test_no_module_put_on_the_path_shadows_an_installed_or_standard_one():
 
     root = BENCH.parent.resolve()
     ours = _folders_put_on_the_path(root)
-    elsewhere = [p for p in sys.path if p and Path(p).resolve() not in ours]
+    # the checkout's root is on the path too (optq itself), but holds no loose module to check
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() not in (root, *ours)]
     clashes = {
         str(f.relative_to(root)): f.stem
-        for folder in ours[1:]
+        for folder in ours
         for f in folder.glob("*.py")
         if f.stem != "conftest"
         and (f.stem in sys.stdlib_module_names or importlib.machinery.PathFinder.find_spec(f.stem, elsewhere))
