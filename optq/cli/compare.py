@@ -54,8 +54,8 @@ def register(subparsers: Any) -> None:
         "--no-kl",
         dest="kl",
         action="store_false",
-        help="skip KL(fp || variant) and top-token agreement (they cost one more forward of fp and "
-        "of the variant per evaluation window)",
+        help="skip KL(fp || variant) and top-token agreement (they cost one more forward of fp per "
+        "evaluation window; the variant's perplexity comes from the forward they read)",
     )
     c.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from optq.data.corpora import CorpusError
     from optq.data.tokens import eval_windows, load_tokens
     from optq.data.zoo import ModelNotInstalledError, eval_bos_id, load_model
-    from optq.eval.divergence import FIELDS, divergence_detail
+    from optq.eval.divergence import FIELDS, perplexity_and_divergence
     from optq.eval.perplexity import NonFiniteLogitsError, perplexity_detail
     from optq.pipeline.blocks.calibration import check_seqlen, max_positions
 
@@ -104,17 +104,31 @@ def run(args: argparse.Namespace) -> int:
         except (CorpusError, ValueError, OSError) as exc:
             raise CliError(str(exc)) from exc
         t0 = time.perf_counter()
+        div = dict.fromkeys(FIELDS)
         try:
-            result = perplexity_detail(
-                model,
-                tokens,
-                seqlen=args.seqlen,
-                windows=args.windows or None,
-                bos_id=bos_id,
-                batch_size=args.batch_size,
-                progress=not args.no_progress,
-                device=args.device,
-            )
+            if reference is None:
+                result = perplexity_detail(
+                    model,
+                    tokens,
+                    seqlen=args.seqlen,
+                    windows=args.windows or None,
+                    bos_id=bos_id,
+                    batch_size=args.batch_size,
+                    progress=not args.no_progress,
+                    device=args.device,
+                )
+            else:  # the same windows; perplexity from the forward KL reads: one forward of each model
+                windows = eval_windows(tokens, args.seqlen, args.windows or None, bos_id)
+                result, d = perplexity_and_divergence(
+                    reference,
+                    model,
+                    windows,
+                    bos_id=bos_id,
+                    batch_size=args.batch_size,
+                    progress=not args.no_progress,
+                    device=args.device,
+                )
+                div = {f: getattr(d, f) for f in FIELDS}
         except NonFiniteLogitsError as exc:
             what = "NaN" if math.isnan(exc.value) else "infinite"
             raise CliError(f"perplexity on {name} is {what}: {exc}") from exc
@@ -125,21 +139,6 @@ def run(args: argparse.Namespace) -> int:
                 f"perplexity on {name} is {result.perplexity}: the mean NLL of "
                 f"{result.mean_nll:.4g} nats overflows; the checkpoint may be corrupt"
             )
-        div = dict.fromkeys(FIELDS)
-        if reference is not None:
-            try:
-                windows = eval_windows(tokens, args.seqlen, args.windows or None, bos_id)  # perplexity's
-                d = divergence_detail(
-                    reference,
-                    model,
-                    windows,
-                    batch_size=args.batch_size,
-                    progress=not args.no_progress,
-                    device=args.device,
-                )
-            except ValueError as exc:
-                raise CliError(f"{name}: KL against {ref_name}: {exc}") from exc
-            div = {f: getattr(d, f) for f in FIELDS}
         rows.append(
             {
                 "corpus": name,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from optq.core.config import QuantConfig
-from optq.eval.divergence import FIELDS, SAME, divergence_detail
+from optq.eval.divergence import FIELDS, SAME, perplexity_and_divergence
 from optq.eval.perplexity import perplexity_detail
 from optq.pipeline import methods
 
@@ -189,8 +189,8 @@ def compare(
 
     When ``base_model`` is a model (not a loader, which keeps no fp model in memory), each
     variant's KL(fp || variant) per token and top-token agreement are measured too, on the same
-    windows (``optq.eval.divergence``: one more forward of the fp model and of the variant per
-    batch); fp's own row is 0 and 1.0 by definition.
+    windows (``optq.eval.divergence``: the variant's perplexity then comes from the same forward,
+    so it costs one more forward of the fp model per batch); fp's own row is 0 and 1.0 by definition.
     """
     from optq.core.memory import release_host_memory
     from optq.pipeline.run import quantize  # the pipeline pulls in transformers-aware code
@@ -219,20 +219,19 @@ def compare(
             res.totals = report.totals
             res.report = report
         for corpus, windows in evaluation.items():
-            d = perplexity_detail(
-                model, windows, seqlen=windows.shape[1], batch_size=batch_size, progress=progress, device=device
-            )
+            if isinstance(base_model, nn.Module) and v.method != "fp":  # perplexity and KL from one forward
+                d, res.divergence[corpus] = perplexity_and_divergence(
+                    base_model, model, windows, batch_size=batch_size, progress=progress, device=device
+                )
+            else:
+                d = perplexity_detail(
+                    model, windows, seqlen=windows.shape[1], batch_size=batch_size, progress=progress, device=device
+                )
+                if isinstance(base_model, nn.Module):
+                    res.divergence[corpus] = SAME
             res.perplexity[corpus] = d.perplexity
             res.detail[corpus] = d.to_dict()
             log.info("%s on %s: perplexity %.3f", v.name, corpus, d.perplexity)
-            if isinstance(base_model, nn.Module):
-                res.divergence[corpus] = (
-                    SAME
-                    if v.method == "fp"
-                    else divergence_detail(
-                        base_model, model, windows, batch_size=batch_size, progress=progress, device=device
-                    )
-                )
         results.append(res)
         if on_result is not None:
             on_result(res, model)

@@ -10,7 +10,9 @@ positions 0..L-2, each predicting the next token. KL is optq's one implementatio
 Streamed: the windows go through both models one batch at a time, and the logits of both are
 made a slice of rows at a time (``_HEAD_ROWS``, for a plain head, or one batch's otherwise); what
 stays is one float per predicted token (for the percentile) and a count of agreements. Never
-vocabulary x tokens for the whole set. The cost: one more forward of each model per batch.
+vocabulary x tokens for the whole set. The cost: one more forward of each model per batch;
+:func:`perplexity_and_divergence` makes the model's perplexity from that same forward (the bits
+``optq.eval.perplexity`` gives), so perplexity and KL together cost one forward of each model.
 
 Example::
 
@@ -30,12 +32,23 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from optq.eval.perplexity import _HEAD_ROWS, _device_of, _head_inputs, _logits, _plain_head
+from optq.eval.perplexity import (
+    _HEAD_ROWS,
+    NonFiniteLogitsError,
+    PerplexityResult,
+    _device_of,
+    _head_inputs,
+    _logits,
+    _plain_head,
+    _windows,
+)
 from optq.pipeline.allocation.passes import kl_terms, log_probs
+from optq.pipeline.blocks.calibration import check_seqlen, max_positions
 
-__all__ = ["divergence_detail", "DivergenceResult", "quantile", "FIELDS"]
+__all__ = ["divergence_detail", "perplexity_and_divergence", "DivergenceResult", "quantile", "FIELDS"]
 
 FIELDS = ("kl", "kl_p99", "top1")  # the JSON fields, per corpus, of optq eval and optq compare
 
@@ -68,7 +81,17 @@ def quantile(values: torch.Tensor, q: float) -> float:
     return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
 
 
-@torch.no_grad()
+def _check_windows(windows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    batches = torch.as_tensor(windows, dtype=torch.long)
+    if batches.dim() != 2:
+        raise ValueError(f"windows must be [windows, tokens], got shape {tuple(batches.shape)}")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if batches.shape[1] < 2:
+        raise ValueError(f"windows need at least 2 tokens, got {batches.shape[1]}")
+    return batches
+
+
 def divergence_detail(
     reference: torch.nn.Module,
     model: torch.nn.Module,
@@ -82,23 +105,70 @@ def divergence_detail(
     positions where both models' top tokens agree, on token ``windows`` [W, L] (for text, those
     :func:`optq.data.tokens.eval_windows` cuts, as perplexity's). Both models run in eval mode on
     ``device`` (default: ``model``'s). Raises ValueError when their vocabularies differ."""
-    batches = torch.as_tensor(windows, dtype=torch.long)
-    if batches.dim() != 2:
-        raise ValueError(f"windows must be [windows, tokens], got shape {tuple(batches.shape)}")
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if batches.shape[1] < 2:
-        raise ValueError(f"windows need at least 2 tokens, got {batches.shape[1]}")
+    batches = _check_windows(windows, batch_size)
+    return _pass(reference, model, batches, batch_size, progress, device, nll=False)[1]
+
+
+def perplexity_and_divergence(
+    reference: torch.nn.Module,
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    *,
+    bos_id: int | None = None,
+    batch_size: int = 1,
+    progress: bool = False,
+    device: str | torch.device | None = None,
+) -> tuple[PerplexityResult, DivergenceResult]:
+    """``model``'s perplexity on ``windows`` [W, L] and its :func:`divergence_detail` from
+    ``reference``, from one forward of each model per batch: the perplexity has the bits
+    :func:`optq.eval.perplexity.perplexity_detail` gives on the same windows and batch size (each
+    label's log-probability is picked from the rows KL reads, and summed as it sums them).
+    ``bos_id`` is only recorded, as there. Raises ValueError for windows longer than ``model``'s
+    positions, :class:`~optq.eval.perplexity.NonFiniteLogitsError` at the first batch whose
+    NLL is not finite."""
+    batches = _check_windows(windows, batch_size)
+    check_seqlen(batches.shape[1], max_positions(model))
+    nll_sum, div = _pass(reference, model, batches, batch_size, progress, device, nll=True)
+    n_windows, length = batches.shape
+    count = n_windows * (length - 1)
+    try:
+        ppl = math.exp(nll_sum / count)
+    except OverflowError:  # finite logits, but a mean NLL above ~709 nats (as perplexity_detail)
+        ppl = math.inf
+    result = PerplexityResult(
+        perplexity=ppl, nll_sum=nll_sum, tokens=count, windows=n_windows, seqlen=length, bos_id=bos_id
+    )
+    return result, div
+
+
+@torch.no_grad()
+def _pass(
+    reference: torch.nn.Module,
+    model: torch.nn.Module,
+    batches: torch.Tensor,
+    batch_size: int,
+    progress: bool,
+    device: str | torch.device | None,
+    *,
+    nll: bool,
+) -> tuple[float, DivergenceResult]:
+    """One forward of each model per batch: (the model's summed NLL when ``nll``, else 0.0; the
+    divergence)."""
     device = torch.device(device) if device is not None else _device_of(model)
     modes = (reference.training, model.training)
     reference.eval()
     model.eval()
     per_token: list[torch.Tensor] = []  # one float32 per predicted token
     agree = 0
+    nll_sum = 0.0  # a python float: double precision across batches, as perplexity_detail's
     try:
         starts = range(0, batches.shape[0], batch_size)
-        for start in tqdm(starts, disable=not progress, desc="KL", unit="batch"):
+        desc = "perplexity and KL" if nll else "KL"
+        for start in tqdm(starts, disable=not progress, desc=desc, unit="batch"):
             batch = batches[start : start + batch_size].to(device)
+            labels = batch[:, 1:].reshape(-1)
+            picked: list[torch.Tensor] = []  # each predicted token's log-probability under the model
+            row = 0
             # Not zip(): it would keep the previous pair alive while making the next.
             model_rows = _row_logits(model, batch)
             for p_logits in _row_logits(reference, batch):
@@ -110,15 +180,30 @@ def divergence_detail(
                         f"the reference model's vocabulary ({p.shape[-1]}) differs from the model's "
                         f"({q.shape[-1]}): KL needs the same tokens"
                     )
+                if nll:
+                    picked.append(q.gather(1, labels[row : row + q.shape[0], None]))
+                    row += q.shape[0]
                 per_token.append(kl_terms(p, q).sum(-1).cpu())
                 agree += int((p.argmax(-1) == q.argmax(-1)).sum())
                 del p, q
+            if nll:
+                # perplexity's _batch_nll: nll_loss's sum over the picked values, in row order
+                value = float(F.nll_loss(torch.cat(picked), torch.zeros_like(labels), reduction="sum"))
+                if not math.isfinite(value):
+                    raise NonFiniteLogitsError(
+                        f"the model produced non-finite logits (NaN/Inf) in "
+                        f"{_windows(start, batch, batches.shape[0])}; the checkpoint may be corrupt",
+                        value=value,
+                        window=start,
+                    )
+                nll_sum += value
     finally:
         reference.train(modes[0])
         model.train(modes[1])
     kl = torch.cat(per_token)
     n = kl.numel()
-    return DivergenceResult(kl=float(kl.double().sum()) / n, kl_p99=quantile(kl, 0.99), top1=agree / n, tokens=n)
+    div = DivergenceResult(kl=float(kl.double().sum()) / n, kl_p99=quantile(kl, 0.99), top1=agree / n, tokens=n)
+    return nll_sum, div
 
 
 def _row_logits(model: torch.nn.Module, batch: torch.Tensor) -> Iterator[torch.Tensor]:

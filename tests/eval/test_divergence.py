@@ -14,8 +14,10 @@ from tiny import llama, tokens
 import optq
 from optq.data.tokens import eval_windows
 from optq.eval import divergence
+from optq.eval import perplexity as ppl
 from optq.eval.compare import compare, parse_variant
-from optq.eval.divergence import DivergenceResult, divergence_detail, quantile
+from optq.eval.divergence import DivergenceResult, divergence_detail, perplexity_and_divergence, quantile
+from optq.eval.perplexity import NonFiniteLogitsError, perplexity_detail
 
 
 def _pair(noise: float = 0.3):
@@ -82,6 +84,48 @@ def test_a_model_against_itself_and_the_windows_of_a_text():
     cut = divergence_detail(fp, q, eval_windows(text, 16, 2, bos_id=1))
     windows = torch.stack([torch.cat([torch.tensor([1]), text[i * 15 : (i + 1) * 15]]) for i in range(2)])
     _check(cut, _brute(fp, q, windows))
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "head_rows", "plain"), [(1, 512, True), (4, 512, True), (3, 7, True), (2, 512, False), (5, 7, False)]
+)
+def test_one_pass_gives_perplexitys_and_kls_own_bits(monkeypatch, batch_size, head_rows, plain):
+    """perplexity_and_divergence equals perplexity_detail and divergence_detail run apart, to the
+    bit (==, not approx), for batches that do not divide the windows, head slices that cut across
+    windows, and heads that are not plain (whole logits); and runs each model once per batch."""
+    fp, q = _pair()
+    text = tokens(n=1, seqlen=200, seed=11).flatten()
+    windows = eval_windows(text, 24, None, bos_id=1)  # 8 windows of 24, each with BOS first
+    monkeypatch.setattr(divergence, "_HEAD_ROWS", head_rows)
+    monkeypatch.setattr(ppl, "_HEAD_ROWS", head_rows)
+    if not plain:
+        monkeypatch.setattr(divergence, "_plain_head", lambda m: None)
+        monkeypatch.setattr(ppl, "_plain_head", lambda m: None)
+    apart = (
+        perplexity_detail(q, text, seqlen=24, bos_id=1, batch_size=batch_size),
+        divergence_detail(fp, q, windows, batch_size=batch_size),
+    )
+    calls = {"fp": 0, "q": 0}
+    fp.model.register_forward_hook(lambda *a: calls.__setitem__("fp", calls["fp"] + 1))
+    q.model.register_forward_hook(lambda *a: calls.__setitem__("q", calls["q"] + 1))
+    together = perplexity_and_divergence(fp, q, windows, bos_id=1, batch_size=batch_size)
+    assert together == apart
+    assert calls == {"fp": -(-8 // batch_size), "q": -(-8 // batch_size)}  # one forward of each per batch
+    assert together[0].perplexity > 1.0 and together[1].kl > 1e-3  # measured, not a default
+    _check(together[1], _brute(fp, q, windows))
+
+
+def test_one_pass_refuses_what_perplexity_refuses():
+    fp, q = _pair()
+    with torch.no_grad():
+        q.lm_head.weight[5, 0] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="window 1 of 2"):
+        perplexity_and_divergence(fp, q, tokens(n=2, seqlen=16), batch_size=1)
+    long = tokens(n=1, seqlen=fp.config.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="position"):
+        perplexity_and_divergence(fp, fp, long)
+    with pytest.raises(ValueError, match="batch_size"):
+        perplexity_and_divergence(fp, fp, tokens(n=2, seqlen=16), batch_size=0)
 
 
 def test_quantile_is_numpys_linear_percentile():
