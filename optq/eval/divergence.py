@@ -32,18 +32,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from optq.eval.perplexity import (
     _HEAD_ROWS,
-    NonFiniteLogitsError,
     PerplexityResult,
     _device_of,
+    _finite,
     _head_inputs,
     _logits,
+    _picked_sum,
     _plain_head,
-    _windows,
+    _result,
 )
 from optq.pipeline.allocation.passes import kl_terms, log_probs
 from optq.pipeline.blocks.calibration import check_seqlen, max_positions
@@ -129,16 +129,7 @@ def perplexity_and_divergence(
     batches = _check_windows(windows, batch_size)
     check_seqlen(batches.shape[1], max_positions(model))
     nll_sum, div = _pass(reference, model, batches, batch_size, progress, device, nll=True)
-    n_windows, length = batches.shape
-    count = n_windows * (length - 1)
-    try:
-        ppl = math.exp(nll_sum / count)
-    except OverflowError:  # finite logits, but a mean NLL above ~709 nats (as perplexity_detail)
-        ppl = math.inf
-    result = PerplexityResult(
-        perplexity=ppl, nll_sum=nll_sum, tokens=count, windows=n_windows, seqlen=length, bos_id=bos_id
-    )
-    return result, div
+    return _result(nll_sum, *batches.shape, bos_id), div
 
 
 @torch.no_grad()
@@ -186,17 +177,8 @@ def _pass(
                 per_token.append(kl_terms(p, q).sum(-1).cpu())
                 agree += int((p.argmax(-1) == q.argmax(-1)).sum())
                 del p, q
-            if nll:
-                # perplexity's _batch_nll: nll_loss's sum over the picked values, in row order
-                value = float(F.nll_loss(torch.cat(picked), torch.zeros_like(labels), reduction="sum"))
-                if not math.isfinite(value):
-                    raise NonFiniteLogitsError(
-                        f"the model produced non-finite logits (NaN/Inf) in "
-                        f"{_windows(start, batch, batches.shape[0])}; the checkpoint may be corrupt",
-                        value=value,
-                        window=start,
-                    )
-                nll_sum += value
+            if nll:  # summed as perplexity's _batch_nll sums them
+                nll_sum += _finite(float(_picked_sum(picked, labels)), start, batch, batches.shape[0])
     finally:
         reference.train(modes[0])
         model.train(modes[1])

@@ -114,18 +114,27 @@ def perplexity_detail(
         starts = range(0, n_windows, batch_size)
         for start in tqdm(starts, disable=not progress, desc="perplexity", unit="batch"):
             batch = batches[start : start + batch_size].to(device)
-            value = float(_batch_nll(model, batch))
-            if not math.isfinite(value):
-                # A NaN/Inf logit poisons the mean: stop at the first such batch.
-                raise NonFiniteLogitsError(
-                    f"the model produced non-finite logits (NaN/Inf) in {_windows(start, batch, n_windows)}; "
-                    "the checkpoint may be corrupt",
-                    value=value,
-                    window=start,
-                )
-            nll_sum += value
+            nll_sum += _finite(float(_batch_nll(model, batch)), start, batch, n_windows)
     finally:
         model.train(was_training)
+    return _result(nll_sum, n_windows, length, bos_id)
+
+
+def _finite(value: float, start: int, batch: torch.Tensor, total: int) -> float:
+    """A batch's summed NLL, or :class:`NonFiniteLogitsError` when it is NaN or infinite: a NaN/Inf
+    logit poisons the mean, so evaluation stops at the first such batch."""
+    if not math.isfinite(value):
+        raise NonFiniteLogitsError(
+            f"the model produced non-finite logits (NaN/Inf) in {_windows(start, batch, total)}; "
+            "the checkpoint may be corrupt",
+            value=value,
+            window=start,
+        )
+    return value
+
+
+def _result(nll_sum: float, n_windows: int, length: int, bos_id: int | None) -> PerplexityResult:
+    """The perplexity of ``nll_sum`` nats over ``n_windows`` windows of ``length`` tokens."""
     count = n_windows * (length - 1)
     try:
         ppl = math.exp(nll_sum / count)
@@ -158,13 +167,17 @@ def _batch_nll(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         logits = _logits(model(input_ids=batch, use_cache=False))
         return F.cross_entropy(logits[:, :-1, :].float().reshape(-1, logits.shape[-1]), labels, reduction="sum")
     rows, head = _head_inputs(model, batch, head_name)
-    picked = torch.cat(
-        [
-            F.log_softmax(head(rows[s : s + _HEAD_ROWS]).float(), 1).gather(1, labels[s : s + _HEAD_ROWS, None])
-            for s in range(0, rows.shape[0], _HEAD_ROWS)
-        ]
-    )
-    return F.nll_loss(picked, torch.zeros_like(labels), reduction="sum")
+    picked = [
+        F.log_softmax(head(rows[s : s + _HEAD_ROWS]).float(), 1).gather(1, labels[s : s + _HEAD_ROWS, None])
+        for s in range(0, rows.shape[0], _HEAD_ROWS)
+    ]
+    return _picked_sum(picked, labels)
+
+
+def _picked_sum(picked: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """``nll_loss``'s sum over each label's log-probability, ``picked`` a slice of rows [r, 1] at a
+    time in row order: the bits of the whole-logits loss (tests/eval/test_perplexity_rows.py)."""
+    return F.nll_loss(torch.cat(picked), torch.zeros_like(labels), reduction="sum")
 
 
 def _head_inputs(model: torch.nn.Module, batch: torch.Tensor, head_name: str) -> tuple[torch.Tensor, torch.nn.Module]:
