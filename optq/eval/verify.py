@@ -210,33 +210,57 @@ def _decode_transformers(folder: Path, prompts: list[list[int]], n: int, k: int,
 VLLM_INSTALL = "optq install-vllm (then --vllm-python PATH, $OPTQ_VLLM_PYTHON, or ./.venv-vllm)"
 
 
-def _decode_vllm(folder: Path, prompts: list[list[int]], n: int, k: int, options: dict[str, Any]):
-    try:
-        vllm = importlib.import_module("optq.eval.vllm")
-    except ModuleNotFoundError as exc:
-        if exc.name != "optq.eval.vllm":
-            raise
-        raise EngineSkipped(f"this optq has no vLLM runner (optq.eval.vllm): {VLLM_INSTALL}") from None
-    python = vllm.vllm_python(options.get("vllm_python"))
-    if python is None:
-        raise EngineSkipped(f"no vLLM interpreter found: {VLLM_INSTALL}")
-    return vllm.decode(folder, prompts, n, k, python=python)
+def _decode_vllm(w4a8: bool) -> Callable[..., dict[str, Any]]:
+    """vLLM's weight-only kernel (``w4a8=False``, on every CPU), or its W4A8 path, which it takes
+    by default on CPUs with AMX tiles (``optq.eval.vllm``'s text); skipped where vLLM never does."""
+
+    def decode(folder: Path, prompts: list[list[int]], n: int, k: int, options: dict[str, Any]) -> dict[str, Any]:
+        try:
+            vllm = importlib.import_module("optq.eval.vllm")
+        except ModuleNotFoundError as exc:
+            if exc.name != "optq.eval.vllm":
+                raise
+            raise EngineSkipped(f"this optq has no vLLM runner (optq.eval.vllm): {VLLM_INSTALL}") from None
+        if w4a8 and not vllm.takes_w4a8_here():
+            raise EngineSkipped(NO_W4A8)
+        python = vllm.vllm_python(options.get("vllm_python"))
+        if python is None:
+            raise EngineSkipped(f"no vLLM interpreter found: {VLLM_INSTALL}")
+        out = vllm.decode(folder, prompts, n, k, python=python, w4a8=w4a8)
+        if w4a8 and not out.get("w4a8"):
+            raise EngineSkipped(f"vLLM ran no layer as W4A8 (kernel {out.get('kernel')}): engine vllm covers it")
+        if out.get("w4a8") and out.get("kernel"):
+            out["kernel"] += " as W4A8 (8-bit activations)"
+        return out
+
+    return decode
+
+
+NO_W4A8 = "this CPU has no AMX tiles: vLLM runs 4-bit layers weight-only here (engine vllm), never as W4A8"
 
 
 # Tolerances from SmolLM2-135M, 4-bit rtn checkpoints, the built-in prompts (docs/verify.md,
 # "Tolerances"): optq-exact recomputes the record (measured 5e-7: its 6-decimal rounding);
 # the fast path computes in bfloat16 (measured at most 0.20, mean 0.043-0.046); transformers with
 # compressed-tensors decompresses to float32 (measured 1e-5; GPTQModel not measured here).
-# vLLM's CPU kernels compute in bfloat16 like the fast path: its value is a starting point.
+# vLLM's weight-only CPU kernel computes in bfloat16 like the fast path (measured 0.28 / 0.053
+# on a CPU without AMX, 0.28-0.30 / 0.05 on one with AMX). Its W4A8 path (vLLM's default on CPUs
+# with AMX) also rounds every linear's input to 8 bits: measured on the built-in probes up to
+# 0.73 (mean 0.25), the runner-up taken at recorded gaps up to 0.58 (SmolLM2-135M at optq's
+# defaults, both formats): tie 1.0 and 1.5 keep about 2x of that; a broken layout is off by
+# several nats.
 ENGINES: dict[str, Engine] = {
     "optq": Engine("optq", "optq.load's fast CPU path (bfloat16 kernels)", 0.5, 0.5, _decode_optq(False)),
     "optq-exact": Engine("optq-exact", "optq's exact reference path (float32)", 1e-3, 1e-3, _decode_optq(True)),
     "transformers": Engine(
         "transformers", "transformers with GPTQModel or compressed-tensors", 0.1, 0.1, _decode_transformers
     ),
-    "vllm": Engine("vllm", "vLLM in its own interpreter (optq.eval.vllm)", 0.5, 0.5, _decode_vllm),
+    "vllm": Engine("vllm", "vLLM's weight-only CPU kernel (bfloat16 activations)", 0.5, 0.5, _decode_vllm(False)),
+    "vllm-w4a8": Engine(
+        "vllm-w4a8", "vLLM's W4A8 CPU path (8-bit activations; its default with AMX)", 1.0, 1.5, _decode_vllm(True)
+    ),
 }
-DEFAULT_ENGINES = ("optq", "optq-exact", "transformers", "vllm")
+DEFAULT_ENGINES = ("optq", "optq-exact", "transformers", "vllm", "vllm-w4a8")
 
 
 def _engine_result(engine: Engine, folder: Path, probes: dict[str, Any], options: dict[str, Any]) -> EngineResult:

@@ -13,12 +13,22 @@ is the fraction of RAM vLLM reserves; its default 0.92 fails where other process
 and bfloat16 (:func:`engine_dtype`): vLLM's ``auto_gptq`` method takes float16 and bfloat16 only,
 and its CPU kernel ``cpu_gemm_wna16`` has no float32 version, so compressed-tensors checkpoints,
 which load in float32, fail at the first forward in it).
+
+On a CPU with AMX tiles, vLLM's CPU build runs 4-bit layers as W4A8 by default: it quantizes
+each layer's input activations to 8 bits (``int4_scaled_mm_cpu``) instead of multiplying them in
+bfloat16 (``cpu_gemm_wna16``), a lossy step of vLLM's own on top of the checkpoint's weights
+(measured on SmolLM2-135M: log-probabilities up to 1.4 from optq's exact path, against 0.35 for
+the weight-only kernel). ``w4a8=False`` sets ``VLLM_CPU_INT4_W4A8=0`` (the weight-only kernel on
+every CPU), ``True`` asks for W4A8 (which vLLM takes only with AMX or on RISC-V), ``None`` leaves
+vLLM's default; each result says under ``"w4a8"`` whether its layers ran W4A8.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 import re
+import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +36,16 @@ from typing import Any
 
 from optq.core import environment
 
-__all__ = ["EngineError", "vllm_python", "engine_dtype", "decode", "decode_all", "CHILD", "KV_CACHE_BYTES"]
+__all__ = [
+    "EngineError",
+    "vllm_python",
+    "engine_dtype",
+    "takes_w4a8_here",
+    "decode",
+    "decode_all",
+    "CHILD",
+    "KV_CACHE_BYTES",
+]
 
 CHILD = Path(__file__).with_name("vllm_child.py")
 KV_CACHE_BYTES = 256 << 20
@@ -60,13 +79,28 @@ def engine_dtype(checkpoint: str | Path) -> str:
     return "bfloat16"
 
 
+def takes_w4a8_here() -> bool:
+    """Whether vLLM's CPU build runs 4-bit layers as W4A8 on this machine by default: where the
+    CPU has AMX tiles (as torch reports them) or is RISC-V (vLLM's ``CPUWNA16LinearKernel``)."""
+    import torch
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return bool(amx) or platform.machine().lower().startswith("riscv")
+
+
 def decode(
-    checkpoint: str | Path, prompts: list[list[int]], max_new_tokens: int, top_k: int, python: str | None = None
+    checkpoint: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    top_k: int,
+    python: str | None = None,
+    w4a8: bool | None = None,
 ) -> dict:
-    """Greedy decoding of ``prompts`` (token ids) by vLLM: ``{"engine": "vllm", "kernel",
+    """Greedy decoding of ``prompts`` (token ids) by vLLM: ``{"engine": "vllm", "kernel", "w4a8",
     "load_s", "decode_s", "tokens_per_s", "outputs": [{"tokens", "logprobs"}]}`` with ``top_k``
-    ``{token_id: logprob}`` per generated step. Raises :class:`EngineError` when vLLM refuses."""
-    (found,) = decode_all([checkpoint], prompts, max_new_tokens, top_k, python)
+    ``{token_id: logprob}`` per generated step. Raises :class:`EngineError` when vLLM refuses.
+    ``w4a8``: see the module's text."""
+    (found,) = decode_all([checkpoint], prompts, max_new_tokens, top_k, python, w4a8=w4a8)
     if isinstance(found, EngineError):
         raise found
     return found
@@ -79,6 +113,7 @@ def decode_all(
     top_k: int,
     python: str | None = None,
     timeout: float | None = None,
+    w4a8: bool | None = None,
 ) -> list[dict | EngineError]:
     """:func:`decode` for each checkpoint, all in one vLLM process: per checkpoint its result,
     or the :class:`EngineError` that says why vLLM did not run it (returned, not raised)."""
@@ -94,7 +129,8 @@ def decode_all(
         "max_model_len": max(64, -(-longest // 16) * 16),
         "kv_cache_bytes": KV_CACHE_BYTES,
     }
-    env = environment.foreign_environment(VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    extra = {} if w4a8 is None else {"VLLM_CPU_INT4_W4A8": "1" if w4a8 else "0"}
+    env = environment.foreign_environment(VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false", **extra)
     try:
         done = subprocess.run(
             [interpreter, str(CHILD)], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=timeout
@@ -119,7 +155,7 @@ def _segments(log: str, count: int) -> list[str]:
 def _result(segment: str, top_k: int, returncode: int) -> dict | EngineError:
     line = next((ln for ln in segment.splitlines() if ln.startswith(_MARK + " {")), None)
     if line is None:
-        why = "; ".join(_error_lines(segment)) or f"the vLLM process ended (exit status {returncode})"
+        why = "; ".join([*_error_lines(segment), f"the vLLM process ended ({_exit(returncode)})"])
         return EngineError(f"vLLM did not run the checkpoint: {why}")
     raw: dict[str, Any] = json.loads(line[len(_MARK) + 1 :])
     if "error" in raw:
@@ -139,11 +175,22 @@ def _result(segment: str, top_k: int, returncode: int) -> dict | EngineError:
     return {
         "engine": "vllm",
         "kernel": ", ".join(kernels) or None,
+        "w4a8": bool(raw.get("w4a8")),
         "load_s": float(raw["load_s"]),
         "decode_s": float(raw["decode_s"]),
         "tokens_per_s": float(raw["tokens_per_s"]),
         "outputs": outputs,
     }
+
+
+def _exit(returncode: int) -> str:
+    """``exit status 1``, or for a process a signal killed ``killed by SIGILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    return f"exit status {returncode}"
 
 
 def _error_lines(segment: str, keep: int = 3) -> list[str]:

@@ -31,10 +31,30 @@ def _kernels(model) -> list:
     return found
 
 
+def _w4a8(model) -> bool:
+    """Whether any quantized linear runs vLLM's W4A8 CPU path (8-bit activations): vLLM takes it
+    on CPUs with AMX (or RISC-V) unless ``VLLM_CPU_INT4_W4A8=0``."""
+    return any(getattr(module, "use_w4a8", False) is True for module in model.modules())
+
+
+def _allow_amx() -> None:
+    """Ask Linux for AMX tile permission before vLLM loads anything. vLLM's weight-only CPU kernel
+    (``cpu_gemm_wna16``) takes its AMX micro-kernel on CPUs with AMX but never asks for it; where
+    nothing else in the process asked first (oneDNN does, for large enough bfloat16 products),
+    its first AMX instruction kills the process with SIGILL: measured on a tiny Llama with
+    ``VLLM_CPU_INT4_W4A8=0`` (SmolLM2-135M ran, its float products had asked)."""
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        init()
+
+
 def _one(job: dict, item: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    _allow_amx()
     start = time.perf_counter()
     llm = LLM(
         model=item["path"],
@@ -49,10 +69,10 @@ def _one(job: dict, item: dict) -> dict:
     )
     load_s = time.perf_counter() - start
     try:
-        kernels = llm.apply_model(_kernels)[0]
+        kernels, w4a8 = llm.apply_model(lambda model: (_kernels(model), _w4a8(model)))[0]
     except Exception as exc:  # noqa: BLE001 - the log still names the kernel
         print(f"{MARK} apply_model failed: {type(exc).__name__}: {exc}", flush=True)
-        kernels = []
+        kernels, w4a8 = [], None
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_new_tokens"], logprobs=job["top_k"], ignore_eos=True, detokenize=False
     )
@@ -69,6 +89,7 @@ def _one(job: dict, item: dict) -> dict:
     del llm
     return {
         "kernels": kernels,
+        "w4a8": w4a8,
         "load_s": load_s,
         "decode_s": decode_s,
         "tokens_per_s": generated / decode_s if decode_s > 0 else 0.0,

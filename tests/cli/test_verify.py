@@ -100,6 +100,20 @@ def test_engines_not_installed_are_skipped_with_their_install_command(checkpoint
     assert "nothing was compared" in out or "agree" in out
 
 
+def test_vllms_w4a8_path_is_skipped_on_a_cpu_where_vllm_never_takes_it(checkpoint, capsys, monkeypatch, tmp_path):
+    from optq.eval import vllm
+    from optq.eval.verify import NO_W4A8
+
+    monkeypatch.delenv("OPTQ_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./.venv-vllm here
+    monkeypatch.setattr(vllm, "takes_w4a8_here", lambda: False)
+    code, out, _ = _verify(capsys, str(checkpoint), "--engines", "vllm-w4a8")
+    assert code == 0 and f"vllm-w4a8: skipped: {NO_W4A8}" in out, out
+    monkeypatch.setattr(vllm, "takes_w4a8_here", lambda: True)  # an AMX CPU without vLLM installed
+    code, out, _ = _verify(capsys, str(checkpoint), "--engines", "vllm-w4a8")
+    assert code == 0 and "vllm-w4a8: skipped: no vLLM interpreter found: optq install-vllm" in out, out
+
+
 def test_usage_errors_exit_2_naming_the_file(checkpoint, model_dir, capsys, tmp_path):
     code, _, err = _verify(capsys, str(tmp_path / "nowhere"))
     assert code == 2 and "nowhere: no such folder" in err

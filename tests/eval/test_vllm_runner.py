@@ -34,7 +34,7 @@ def _checkpoint(folder: Path, method: str | None) -> Path:
 
 
 FAKE = """
-import json, sys
+import json, os, sys
 job = json.loads(sys.stdin.read())
 assert job["max_model_len"] % 16 == 0 and job["max_model_len"] >= len(job["prompts"][0]) + job["max_new_tokens"]
 for i, item in enumerate(job["checkpoints"]):
@@ -47,8 +47,9 @@ for i, item in enumerate(job["checkpoints"]):
     print("(Worker pid=2) INFO 12-03 04:00:00 [auto_gptq.py:352] Using CPUWNA16LinearKernel for AutoGPTQLinearMethod")
     steps = [{"5": -0.5, "7": -1.5, "9": -0.1}] * job["max_new_tokens"]
     out = {"tokens": [9] * job["max_new_tokens"], "logprobs": steps}
-    print("@@optq-vllm " + json.dumps({"kernels": [], "load_s": 1.0, "decode_s": 2.0, "tokens_per_s": 3.0,
-          "outputs": [out for _ in job["prompts"]]}))
+    w4a8 = os.environ.get("VLLM_CPU_INT4_W4A8", "unset")  # what this child was told
+    print("@@optq-vllm " + json.dumps({"kernels": [], "w4a8": w4a8 == "1", "load_s": 1.0, "decode_s": 2.0,
+          "tokens_per_s": 3.0, "outputs": [out for _ in job["prompts"]]}))
 """
 
 
@@ -68,6 +69,25 @@ def test_results_errors_and_the_kernel_are_read_from_the_childs_log(tmp_path, mo
         decode(ct, [[1]], 1, 1, python=sys.executable)
 
 
+def test_w4a8_is_told_to_vllm_through_its_variable_and_read_back(tmp_path, monkeypatch):
+    """``w4a8=False`` sets VLLM_CPU_INT4_W4A8=0 (the weight-only kernel), ``True`` sets 1, ``None``
+    leaves the caller's environment; the result's ``w4a8`` is what the child reports."""
+    child = tmp_path / "fake_child.py"
+    child.write_text(FAKE.replace('"kernels": []', '"kernels": [w4a8]'))  # the kernel names what it was told
+    monkeypatch.setattr(vllm, "CHILD", child)
+    gptq = _checkpoint(tmp_path / "g", "gptq")
+    monkeypatch.delenv("VLLM_CPU_INT4_W4A8", raising=False)
+    told = {w: decode(gptq, [[1]], 1, 1, python=sys.executable, w4a8=w) for w in (False, True, None)}
+    assert {w: (r["kernel"], r["w4a8"]) for w, r in told.items()} == {
+        False: ("0", False),
+        True: ("1", True),
+        None: ("unset", False),
+    }
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "1")
+    assert decode(gptq, [[1]], 1, 1, python=sys.executable)["w4a8"] is True
+    assert decode(gptq, [[1]], 1, 1, python=sys.executable, w4a8=False)["w4a8"] is False
+
+
 def test_a_missing_or_dying_interpreter_is_an_engine_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("OPTQ_VLLM_PYTHON", raising=False)
@@ -79,7 +99,12 @@ def test_a_missing_or_dying_interpreter_is_an_engine_error(tmp_path, monkeypatch
     child = tmp_path / "dies.py"
     child.write_text("import sys\nprint('@@optq-vllm begin 0')\nprint('MemoryError: out of memory')\nsys.exit(9)\n")
     monkeypatch.setattr(vllm, "CHILD", child)
-    with pytest.raises(EngineError, match="MemoryError: out of memory"):
+    with pytest.raises(EngineError, match=r"MemoryError: out of memory; the vLLM process ended \(exit status 9\)"):
+        decode(gptq, [[1]], 1, 1, python=sys.executable)
+    child.write_text(
+        "import os, signal\nprint('@@optq-vllm begin 0', flush=True)\nos.kill(os.getpid(), signal.SIGILL)\n"
+    )
+    with pytest.raises(EngineError, match=r"the vLLM process ended \(killed by SIGILL\)"):
         decode(gptq, [[1]], 1, 1, python=sys.executable)
 
 
