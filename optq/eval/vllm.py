@@ -17,7 +17,7 @@ which load in float32, fail at the first forward in it).
 On a CPU with AMX tiles, vLLM's CPU build runs 4-bit layers as W4A8 by default: it quantizes
 each layer's input activations to 8 bits (``int4_scaled_mm_cpu``) instead of multiplying them in
 bfloat16 (``cpu_gemm_wna16``), a lossy step of vLLM's own on top of the checkpoint's weights
-(measured on SmolLM2-135M: log-probabilities up to 1.4 from optq's exact path, against 0.35 for
+(measured on SmolLM2-135M: log-probabilities up to 1.36 from optq's exact path, against 0.41 for
 the weight-only kernel). ``w4a8=False`` sets ``VLLM_CPU_INT4_W4A8=0`` (the weight-only kernel on
 every CPU), ``True`` asks for W4A8 (which vLLM takes only with AMX or on RISC-V), ``None`` leaves
 vLLM's default; each result says under ``"w4a8"`` whether its layers ran W4A8.
