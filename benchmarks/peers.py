@@ -49,6 +49,7 @@ PEERS = {
         Peer("optq", None, "optq_child.py", "gptaq"),
         Peer("optq-gptq", None, "optq_child.py", "gptq"),
         Peer("optq-rtn", None, "optq_child.py", "rtn"),
+        Peer("optq-mse", None, "optq_child.py", "gptaq-mse"),  # the default with --mse: an option, not the default
         Peer("gptqmodel", "gptqmodel", "gptqmodel_child.py", "gptq"),
         Peer("gptqmodel-gptaq", "gptqmodel", "gptqmodel_child.py", "gptaq"),
         Peer("llm-compressor", "llm-compressor", "llmcompressor_child.py", "gptq"),

@@ -19,7 +19,7 @@ import peers  # noqa: E402
 
 def test_peer_list_defaults_order_and_unknown_names():
     assert peers.parse_peers(None, quick=False) == list(peers.PEERS)
-    assert len(peers.PEERS) == 10
+    assert len(peers.PEERS) == 11
     assert peers.parse_peers(None, quick=True) == ["optq", "optq-gptq", "gptqmodel", "llm-compressor"]
     assert peers.parse_peers(" auto-round, optq,auto-round ", quick=True) == ["auto-round", "optq"]
     with pytest.raises(ValueError, match="unknown peer.*gptq-model.*known: optq"):
