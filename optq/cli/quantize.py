@@ -89,6 +89,12 @@ def register(subparsers: Any) -> None:
     g.add_argument("--mse-grid", type=int, default=100, help="shrink steps of the --mse search")
     g.add_argument("--mse-maxshrink", type=float, default=0.8, help="largest range cut by --mse")
     g.add_argument("--mse-norm", type=float, default=2.0, help="error exponent of --mse")
+    g.add_argument(
+        "--mse-hessian",
+        action="store_true",
+        help="weight each column's rounding error in the --mse search by the Hessian's diagonal (its mean squared "
+        "activation; llm-compressor's imatrix_mse); implies --mse; not with --method rtn, which reads no Hessian",
+    )
     c = p.add_argument_group("calibration and run")
     c.add_argument(
         "--calib",
@@ -224,6 +230,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """The QuantConfig the flags describe (a user error becomes a CliError)."""
     from optq.core.config import QuantConfig
 
+    if args.mse_hessian:
+        from optq.pipeline import methods
+
+        method = getattr(args, "method", None)
+        if method in methods.names() and not methods.get(method).reads_hessian:
+            raise CliError(
+                f"--mse-hessian weights the --mse search by the Hessian, which --method {method} never reads: drop "
+                "it (--mse alone searches unweighted), or choose a method that reads one (gptq, gptaq)"
+            )
+        args = argparse.Namespace(**{**vars(args), "mse": True})  # --mse-hessian implies --mse
     try:
         return _fields_from_args(QuantConfig, args)
     except ValueError as exc:

@@ -46,6 +46,11 @@ class QuantConfig:
         mse_grid: number of candidate shrink steps of that search.
         mse_maxshrink: largest fraction of the range the search may cut (0 < x < 1).
         mse_norm: exponent of the rounding error minimised by the search (2 = squared error).
+        mse_hessian: with mse, weight each input column's rounding error in that search by the
+            Hessian's diagonal (the column's mean squared calibration activation; llama.cpp's
+            importance matrix, llm-compressor's ``imatrix_mse``): at mse_norm 2 the search
+            minimises the diagonal part of the layer objective instead of the plain weight error.
+            Only methods that read a Hessian can weight; round-to-nearest's search stays plain.
         normalize_tokens: accumulate each layer's Hessian from calibration tokens scaled to unit
             RMS, so every token weighs the same in the layer objective. Plain GPTQ weighs tokens
             by their squared activation norm, and in real models a few massive-activation
@@ -75,6 +80,7 @@ class QuantConfig:
     mse_grid: int = 100
     mse_maxshrink: float = 0.8
     mse_norm: float = 2.0
+    mse_hessian: bool = False
     normalize_tokens: bool = True
     diag_shrink: float = 0.5
 
@@ -106,6 +112,8 @@ class QuantConfig:
             _fail("mse_maxshrink", self.mse_maxshrink, "a fraction strictly between 0 and 1")
         if not self.mse_norm > 0.0:
             _fail("mse_norm", self.mse_norm, "a positive exponent")
+        if self.mse_hessian and not self.mse:
+            _fail("mse_hessian", True, "True only together with mse=True (it weights the mse search)")
         if not 0.0 <= self.diag_shrink <= 1.0:
             _fail("diag_shrink", self.diag_shrink, "a fraction from 0 to 1")
 

@@ -39,22 +39,33 @@ def _params_from_range(
     return scale, zero
 
 
-def fit(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def fit(
+    w: torch.Tensor, config: QuantConfig, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit one (scale, zero) per row of ``w`` [rows, cols]; returns two [rows] tensors.
 
     With ``config.mse`` the range is shrunk step by step (up to ``mse_maxshrink``) and, per row,
-    the shrink with the least ``sum |w - dequant(quant(w))| ** mse_norm`` is kept.
+    the shrink with the least ``sum_j |w_j - dequant(quant(w_j))| ** mse_norm`` is kept. With
+    ``config.mse_hessian`` and ``importance`` [cols] (the Hessian's diagonal over these columns)
+    column j's term is weighted by ``importance[j]``: at ``mse_norm`` 2 the search then minimises
+    the diagonal part of the layer objective. Without ``importance`` the search is unweighted.
     """
     xmin = w.amin(dim=1)
     xmax = w.amax(dim=1)
     scale, zero = _params_from_range(xmin, xmax, config)
     if not config.mse:
         return scale, zero
-    best = _rounding_error(w, scale, zero, config)
+    if importance is not None and config.mse_hessian:
+        if importance.shape != (w.shape[1],):
+            raise ValueError(f"importance must be [{w.shape[1]}] for w {tuple(w.shape)}, got {tuple(importance.shape)}")
+        weight = importance.to(w.dtype).clamp(min=0).unsqueeze(0)
+    else:
+        weight = None
+    best = _rounding_error(w, scale, zero, config, weight)
     for i in range(1, int(config.mse_maxshrink * config.mse_grid) + 1):
         p = 1.0 - i / config.mse_grid
         s, z = _params_from_range(p * xmin, p * xmax, config)
-        err = _rounding_error(w, s, z, config)
+        err = _rounding_error(w, s, z, config, weight)
         better = err < best
         if better.any():
             best = torch.where(better, err, best)
@@ -63,10 +74,14 @@ def fit(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tenso
     return scale, zero
 
 
-def _rounding_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig) -> torch.Tensor:
+def _rounding_error(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config: QuantConfig, weight: torch.Tensor | None
+) -> torch.Tensor:
     s, z = scale.unsqueeze(1), zero.unsqueeze(1)
-    err = (fake_quantize(w, s, z, config.maxq) - w).abs_()
-    return err.pow_(config.mse_norm).sum(dim=1)
+    err = (fake_quantize(w, s, z, config.maxq) - w).abs_().pow_(config.mse_norm)
+    if weight is not None:
+        err.mul_(weight)
+    return err.sum(dim=1)
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
@@ -98,13 +113,21 @@ def group_index(columns: int, group_size: int, device: torch.device | None = Non
     return torch.arange(columns, device=device, dtype=torch.int32) // group_width(columns, group_size)
 
 
-def fit_groups(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_groups(
+    w: torch.Tensor, config: QuantConfig, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit (scale, zero) on each natural column group of ``w`` [rows, cols] (see ``group_index``);
-    returns two [rows, groups] tensors. A last partial group is fitted on its own columns.
+    returns two [rows, groups] tensors. A last partial group is fitted on its own columns;
+    ``importance`` [cols] weights the ``mse_hessian`` search (see ``fit``).
 
     Round-to-nearest, OBQ and GPTQ's static groups all fit their grids this way.
     """
     cols = w.shape[1]
     gs = group_width(cols, config.group_size)
-    pairs = [fit(w[:, g : g + gs], config) for g in range(0, cols, gs)]
+    if importance is not None and importance.shape != (cols,):
+        raise ValueError(f"importance must be [{cols}] for w {tuple(w.shape)}, got {tuple(importance.shape)}")
+    pairs = [
+        fit(w[:, g : g + gs], config, None if importance is None else importance[g : g + gs])
+        for g in range(0, cols, gs)
+    ]
     return torch.stack([p[0] for p in pairs], 1), torch.stack([p[1] for p in pairs], 1)

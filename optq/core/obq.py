@@ -29,7 +29,8 @@ def obq(W: torch.Tensor, H: torch.Tensor, config: QuantConfig) -> Solution:
     Hinv = (U.T @ U).expand(rows, cols, cols).clone()  # one inverse per row: rows choose apart
     del U
     w = W.to(dtype=dtype, copy=True)
-    scales, zeros = grid.fit_groups(w, config)
+    importance = H.diagonal().to(device=W.device, dtype=dtype) if config.mse and config.mse_hessian else None
+    scales, zeros = grid.fit_groups(w, config, importance)
     g_idx = grid.group_index(cols, config.group_size, W.device)
     s_col, z_col = scales[:, g_idx], zeros[:, g_idx]
     done = torch.zeros(rows, cols, dtype=torch.bool, device=W.device)

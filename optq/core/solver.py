@@ -235,8 +235,10 @@ def sweep(W: torch.Tensor, factors: tuple[torch.Tensor, ...], config: QuantConfi
         g_idx = torch.empty(cols, dtype=torch.int32, device=device)
         g_idx[perm] = natural
     group_of_pos = g_idx[perm].tolist()  # group of the column quantized at each position
+    # --mse-hessian weights each column's rounding error by H's diagonal (natural column order).
+    importance = H_caller.diagonal().to(dtype) if config.mse and config.mse_hessian else None
     if config.static_groups:
-        static_scales, static_zeros = grid.fit_groups(W.to(dtype), config)
+        static_scales, static_zeros = grid.fit_groups(W.to(dtype), config, importance)
         scales.copy_(static_scales.T)
         zeros.copy_(static_zeros.T)
         del static_scales, static_zeros
@@ -265,7 +267,8 @@ def sweep(W: torch.Tensor, factors: tuple[torch.Tensor, ...], config: QuantConfi
                     g = group_of_pos[pos]
                     if pos in fit_at:
                         part = _current(Wt, U, Err, (pos, min(pos + gs, cols)), (i1, i2, j1, j2))
-                        scales[g], zeros[g] = grid.fit(part.T, config)
+                        imp = None if importance is None else importance[perm[pos : pos + part.shape[0]]]
+                        scales[g], zeros[g] = grid.fit(part.T, config, imp)
                     s, z = scales[g], zeros[g]
                     w = Wt[pos]
                     q = block_codes[pos - i1]

@@ -33,7 +33,8 @@ VARIANT_HELP = (
     f"fp | {' | '.join(methods.names())} (with optq's default settings; gptaq is the default method), each optionally "
     "followed by +modifiers: +plain (textbook "
     "GPTQ: no act-order, no token normalisation, H not shrunk), +no_act_order, +no_norm, +act_order (dynamic groups), "
-    "+static_groups, +mse, +original (propagate unquantized activations), +sym / +asym, +g<N> "
+    "+static_groups, +mse, +hmse (the mse search weighted by H's diagonal), +original (propagate unquantized "
+    "activations), +sym / +asym, +g<N> "
     "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward "
     "its diagonal; default 0.5, gptq+shrink0 is GPTQ without it); gptaq also +alpha<A> "
     "(the correction's scale) and +full (from the least-squares optimum); e.g. gptq+plain, rtn+mse, "
@@ -85,6 +86,10 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             changes.update(act_order=True, static_groups=True)
         elif mod == "mse":
             changes["mse"] = True
+        elif mod == "hmse":  # the mse search weighted by H's diagonal
+            if not own.reads_hessian:
+                raise ValueError(f"{spec!r}: +hmse weights the range search by the Hessian, which {method} never reads")
+            changes.update(mse=True, mse_hessian=True)
         elif mod in ("sym", "asym"):
             changes["sym"] = mod == "sym"
         elif mod == "original":

@@ -177,7 +177,12 @@ def _summary(
             else "from the original model",
         ),
         ("H shrunk toward its diagonal (--diag-shrink)", f"{q.get('diag_shrink') or 0:g}"),
-        ("grid search (--mse)", "yes" if q.get("mse") else "no (min/max ranges)"),
+        (
+            "grid search (--mse)",
+            ("yes, weighted by H's diagonal (--mse-hessian)" if q.get("mse_hessian") else "yes")
+            if q.get("mse")
+            else "no (min/max ranges)",
+        ),
         (
             "size on disk",
             f"{mb(sizes['disk'])} against {mb(sizes['fp'])} in {sizes['fp_dtype']} "

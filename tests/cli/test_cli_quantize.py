@@ -111,6 +111,7 @@ def test_too_little_calibration_text(model_dir, tmp_path, capsys):
         (["--bits", "5"], "--bits: invalid choice: 5"),
         (["--seqlen", "0"], "seqlen=0 is out of range"),
         (["--include", "nothing"], "matches none"),
+        (["--method", "rtn", "--mse-hessian"], "--mse-hessian weights the --mse search by the Hessian"),
     ],
 )
 def test_bad_flags(model_dir, tmp_path, capsys, extra, match):
@@ -177,6 +178,8 @@ def test_flags_map_one_to_one_onto_quant_config():
     )
     defaults = parser.parse_args(["quantize", "m", "-o", "o"])
     assert config_from_args(defaults) == optq.QuantConfig()
+    weighted = config_from_args(parser.parse_args(["quantize", "m", "-o", "o", "--mse-hessian"]))
+    assert weighted == optq.QuantConfig(mse=True, mse_hessian=True)  # --mse-hessian implies --mse
 
 
 def test_calibration_from_several_sources(model_dir, tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -211,3 +213,69 @@ def test_solver_output_is_byte_identical_on_one_and_two_threads():
     for one, two in zip(out[1], out[2]):
         assert torch.equal(one.codes, two.codes) and torch.equal(one.weight, two.weight)
         assert torch.equal(one.scales, two.scales) and one.loss == two.loss
+
+
+def _weighted_brute_force(w, imp, cfg):
+    """Row by row, the least importance-weighted squared rounding error over the search's
+    candidate shrinks (symmetric grid), computed directly."""
+    best = []
+    for r in range(w.shape[0]):
+        errs = []
+        for i in range(int(cfg.mse_maxshrink * cfg.mse_grid) + 1):
+            p = 1 - i / cfg.mse_grid
+            s = 2 * torch.maximum((w[r].min() * p).abs(), (w[r].max() * p).abs()) / cfg.maxq
+            q = torch.clamp(torch.round(w[r] / s) + (cfg.maxq + 1) // 2, 0, cfg.maxq)
+            errs.append(float((imp * (s * (q - (cfg.maxq + 1) // 2) - w[r]) ** 2).sum()))
+        best.append(min(errs))
+    return torch.tensor(best, dtype=torch.float64)
+
+
+def test_hessian_weighted_mse_search_is_the_best_weighted_candidate():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(8, 32, generator=g)
+    w[:, 3] *= 6  # an outlier column the weighted search may clip when it matters little
+    imp = torch.rand(32, generator=g) * 10
+    imp[3] = 0.01
+    cfg = optq.QuantConfig(bits=3, mse=True, mse_hessian=True, mse_grid=20, mse_maxshrink=0.75)
+    s, z = grid.fit(w, cfg, imp)
+    err = (imp * (grid.fake_quantize(w, s[:, None], z[:, None], cfg.maxq) - w) ** 2).sum(1).double()
+    torch.testing.assert_close(err, _weighted_brute_force(w, imp, cfg), rtol=1e-5, atol=0)
+    # The unweighted search keeps more of the outlier column's range: its weighted error is worse.
+    plain = grid.fit(w, dataclasses.replace(cfg, mse_hessian=False), imp)
+    plain_err = (imp * (grid.fake_quantize(w, plain[0][:, None], plain[1][:, None], cfg.maxq) - w) ** 2).sum(1)
+    assert torch.all(err <= plain_err.double() + 1e-6) and torch.any(err < plain_err.double() - 1e-6)
+    assert torch.any(s < plain[0])
+    # Uniform importance is the unweighted search; without importance the search is unweighted.
+    for same in (grid.fit(w, cfg, torch.full((32,), 3.0)), grid.fit(w, cfg)):
+        assert torch.equal(same[0], plain[0]) and torch.equal(same[1], plain[1])
+    with pytest.raises(ValueError, match=r"importance must be \[32\]"):
+        grid.fit(w, cfg, imp[:31])
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_gptq_weights_its_mse_search_by_the_hessian_diagonal(static):
+    W, H = problem(rows=6, cols=96)
+    H.diagonal().mul_(torch.linspace(0.05, 5.0, 96, dtype=H.dtype))  # importance that differs by column
+    cfg = optq.QuantConfig(bits=3, group_size=32, mse=True, mse_hessian=True, mse_grid=20, static_groups=static)
+    sol = optq.gptq(W, H, cfg)
+    unweighted = optq.gptq(W, H, dataclasses.replace(cfg, mse_hessian=False))
+    assert not torch.equal(sol.scales, unweighted.scales)
+    if static:  # fitted up front on W's natural groups, weighted by diag(H)
+        s, z = grid.fit_groups(W, cfg, H.diagonal().float())
+        assert torch.equal(sol.scales, s) and torch.equal(sol.zeros, z)
+    else:  # groups follow act-order's positions: renaming the inputs renames the solution
+        p = torch.randperm(96, generator=torch.Generator().manual_seed(1))
+        moved = optq.gptq(W[:, p], H[p][:, p], cfg)
+        assert torch.equal(moved.codes, sol.codes[:, p])
+        torch.testing.assert_close(moved.weight, sol.weight[:, p])
+    # With every column equally important the weighting changes nothing.
+    flat = H.clone()
+    flat.diagonal().fill_(float(H.diagonal().mean()))
+    a = optq.gptq(W, flat, cfg)
+    b = optq.gptq(W, flat, dataclasses.replace(cfg, mse_hessian=False))
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    # OBQ fits its groups up front the same way.
+    small = dataclasses.replace(cfg, group_size=16)
+    o = optq.obq(W[:2, :32], H[:32, :32], small)
+    s, z = grid.fit_groups(W[:2, :32], small, H.diagonal()[:32].float())
+    assert torch.equal(o.scales, s) and not torch.equal(s, grid.fit_groups(W[:2, :32], small)[0])

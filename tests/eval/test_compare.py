@@ -24,6 +24,8 @@ def test_variant_names_map_onto_configs():
     assert dyn.config.act_order and not dyn.config.static_groups and dyn.propagate == "original"
     assert parse_variant("rtn+mse+asym", base).config.mse and not parse_variant("rtn+asym", base).config.sym
     assert parse_variant("fp", base).config is None
+    weighted = parse_variant("gptaq+hmse", base).config
+    assert weighted.mse and weighted.mse_hessian and not parse_variant("gptaq+mse", base).config.mse_hessian
     shrunk = parse_variant("gptq+shrink0.25+damp0.1", base).config
     assert (shrunk.diag_shrink, shrunk.damp) == (0.25, 0.1)
     # optq's defaults shrink H halfway; textbook GPTQ (+plain) and +shrink0 do not
@@ -36,6 +38,7 @@ def test_variant_names_map_onto_configs():
         "rtn+original",
         "rtn+act_order",
         "rtn+shrink0.5",
+        "rtn+hmse",
         "gptq+shrinkx",
         "gptq+shrink2",
     ):
