@@ -49,7 +49,9 @@ PEERS = {
         Peer("optq", None, "optq_child.py", "gptaq"),
         Peer("optq-gptq", None, "optq_child.py", "gptq"),
         Peer("optq-rtn", None, "optq_child.py", "rtn"),
-        Peer("optq-mse", None, "optq_child.py", "gptaq-mse"),  # the default with --mse: an option, not the default
+        Peer("optq-mse", None, "optq_child.py", "gptaq-mse"),  # the default's search unweighted: an option
+        Peer("optq-minmax", None, "optq_child.py", "gptaq-minmax"),  # --no-mse: the default before 2026-12-06
+        Peer("optq-gptq-minmax", None, "optq_child.py", "gptq-minmax"),  # --method gptq --no-mse
         Peer("gptqmodel", "gptqmodel", "gptqmodel_child.py", "gptq"),
         Peer("gptqmodel-gptaq", "gptqmodel", "gptqmodel_child.py", "gptaq"),
         Peer("llm-compressor", "llm-compressor", "llmcompressor_child.py", "gptq"),

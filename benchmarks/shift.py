@@ -13,7 +13,10 @@ written with ``+`` (``enwiki+debref-de+code``: equal shares of --nsamples,
 ``optq.data.tokens.mixed_calibration``). A candidate is a GPTQ variant in ``optq compare``'s
 grammar (``optq.eval.compare.VARIANT_HELP``), GPTQ or GPTAQ: ``gptq+shrink0`` (plain GPTQ),
 ``gptq+shrink0.5`` (H shrunk halfway toward its diagonal: optq's default), ``gptq+shrink0+damp0.1``,
-``gptq+shrink0.5+mse``, ``gptaq+shrink0.5``; a bare ``gptq`` is optq's defaults of the day;
+``gptq+shrink0.5+mse``, ``gptaq+shrink0.5``, ``gptaq+shrink0.5+hmse`` (optq's default since
+2026-12-06). Every candidate and RTN fit min/max ranges unless the name says ``+mse`` (the plain
+range search) or ``+hmse`` (weighted by H's diagonal), so a key in the JSON means one run whatever
+optq's defaults of the day are; a bare ``gptq`` takes the day's other defaults;
 and shift's own ``+lw``: each layer's shrink chosen from its calibration statistics
 (benchmarks/shift_rules.py), measured once per calibration and passed as per-layer overrides.
 
@@ -130,7 +133,9 @@ def _variant(spec: str, bits: int, plan: Plan) -> Any:
 
     method, *mods = spec.split("+")
     base = "+".join([method, *(m for m in mods if m != "lw")])
-    return parse_variant(base, optq.QuantConfig(bits=bits, group_size=plan.group_size))
+    # min/max ranges unless the name asks for a search: the keys recorded before the search
+    # became optq's default (2026-12-06) keep their meaning
+    return parse_variant(base, optq.QuantConfig(bits=bits, group_size=plan.group_size, mse=False))
 
 
 def layer_shrinks(results: Results, subject: Subject, calib: str, calibration: torch.Tensor, plan: Plan) -> dict:

@@ -18,7 +18,8 @@ EVAL = ["enwiki", "debref-de", "code", "debref-en", "debref-fr", "debref-ja", "d
 CALIB = ["enwiki", "debref-de", "code", "enwiki+debref-de+code", "enwiki+debref-de+code+debref-ja"]
 SHORT = {"enwiki+debref-de+code": "mix3", "enwiki+debref-de+code+debref-ja": "mix3+ja"}
 # Most informative first: plain GPTQ, then diagonal shrinkage, then the rest. Names are explicit
-# about the shrink: a bare "gptq" means optq's defaults of the day, which change.
+# about the shrink and the range search: shift.py reads every candidate on min/max ranges unless
+# it says +mse or +hmse, so a name means the same run whatever optq's defaults of the day are.
 CANDIDATES = [
     "gptq+shrink0",
     "gptq+shrink0.5",
@@ -28,6 +29,7 @@ CANDIDATES = [
     "gptq+shrink0+damp0.1",
     "gptq+shrink0.5+mse",
     "gptaq+shrink0.5",
+    "gptaq+shrink0.5+hmse",
 ]
 SECTION = ("model", "bits", "group_size", "nsamples", "seqlen", "windows")
 
@@ -254,11 +256,15 @@ Simplified; pydoc sits between debref-en and code. Each is the held-out part of 
 Calibration sources: enwiki, debref-de, code; mix3 = enwiki+debref-de+code in equal shares; mix3+ja
 = the same plus debref-ja (four equal shares), to see whether one non-Latin script in
 calibration carries over to another (debref-zh-cn stays out). Candidates are `optq compare`
-variants: `gptq+shrink0` is plain GPTQ at optq's other defaults (act-order with static groups,
-token-normalised Hessian, damp 0.01: optq's default before issue 18); `+shrinkS` shrinks H
-toward its diagonal, (1 - S) H + S diag(H); `gptaq` variants are GPTAQ (docs/gptaq.md; optq's
-default is now `gptaq+shrink0.5`, chosen in docs/lab.md, section 8); `+dampX` damps
-with X of the mean diagonal; `+mse` fits each group's range by least squared rounding error.
+variants, each on min/max ranges unless it says otherwise: `gptq+shrink0` is plain GPTQ at
+optq's other defaults (act-order with static groups, token-normalised Hessian, damp 0.01: optq's
+default before issue 18); `+shrinkS` shrinks H toward its diagonal, (1 - S) H + S diag(H);
+`gptaq` variants are GPTAQ (docs/gptaq.md; `gptaq+shrink0.5`, chosen in docs/lab.md, section 8,
+was optq's default until 2026-12-06); `+dampX` damps with X of the mean diagonal; `+mse` fits
+each group's range by least squared rounding error; `+hmse` by the same search with each
+column's error weighted by H's diagonal, its mean squared activation (`--mse-hessian`).
+`gptaq+shrink0.5+hmse` is optq's default since 2026-12-06 (issue 34): calibrated on enwiki, it
+has a lower ratio than `gptaq+shrink0.5` on 31 of the 32 texts x models x bit widths measured.
 `+lw` chooses each layer's shrink from its own calibration statistics (benchmarks/shift_rules.py):
 the Ledoit-Wolf intensity over the mixture's sources (over the windows for a single source).
 RTN (the denominator) is always plain min/max round-to-nearest at the same bits and group.
@@ -272,7 +278,8 @@ recovers on its own calibration text.
 HEADLINE = {
     "gptq+shrink0": "plain GPTQ",
     "gptq+shrink0.5": "GPTQ, H shrunk halfway",
-    "gptaq+shrink0.5": "GPTAQ, H shrunk halfway (the default)",
+    "gptaq+shrink0.5": "GPTAQ, H shrunk halfway (the default until 2026-12-06)",
+    "gptaq+shrink0.5+hmse": "GPTAQ, H shrunk halfway, H-weighted range search (the default)",
 }
 
 

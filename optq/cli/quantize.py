@@ -85,15 +85,23 @@ def register(subparsers: Any) -> None:
         "--damp-max", type=float, default=1.0, help="largest damping tried when H cannot be factorised (default 1.0)"
     )
     g.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block width")
-    g.add_argument("--mse", action="store_true", help="search shrunken grid ranges (slower)")
+    g.add_argument(
+        "--mse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fit each group's range by searching shrunken ranges for the least rounding error (default on; "
+        "--no-mse: plain min/max)",
+    )
     g.add_argument("--mse-grid", type=int, default=100, help="shrink steps of the --mse search")
     g.add_argument("--mse-maxshrink", type=float, default=0.8, help="largest range cut by --mse")
     g.add_argument("--mse-norm", type=float, default=2.0, help="error exponent of --mse")
     g.add_argument(
         "--mse-hessian",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="weight each column's rounding error in the --mse search by the Hessian's diagonal (its mean squared "
-        "activation; llm-compressor's imatrix_mse); implies --mse; not with --method rtn, which reads no Hessian",
+        "activation; llm-compressor's imatrix_mse) (default: on with --mse; --no-mse-hessian: the plain search); "
+        "--method rtn reads no Hessian: by default its ranges stay min/max",
     )
     c = p.add_argument_group("calibration and run")
     c.add_argument(
@@ -230,16 +238,18 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """The QuantConfig the flags describe (a user error becomes a CliError)."""
     from optq.core.config import QuantConfig
 
-    if args.mse_hessian:
+    if args.mse_hessian:  # asked for by name (the default, None, follows --mse)
         from optq.pipeline import methods
 
         method = getattr(args, "method", None)
         if method in methods.names() and not methods.get(method).reads_hessian:
             raise CliError(
                 f"--mse-hessian weights the --mse search by the Hessian, which --method {method} never reads: drop "
-                "it (--mse alone searches unweighted), or choose a method that reads one (gptq, gptaq)"
+                "it (its ranges are then min/max; --no-mse-hessian searches them unweighted), or choose a method that "
+                "reads one (gptq, gptaq)"
             )
-        args = argparse.Namespace(**{**vars(args), "mse": True})  # --mse-hessian implies --mse
+        if not args.mse:
+            raise CliError("--mse-hessian weights the --mse search: it cannot go with --no-mse")
     try:
         return _fields_from_args(QuantConfig, args)
     except ValueError as exc:

@@ -11,11 +11,22 @@ over the codes with an integer zero point. Everything here works on [rows, cols]
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from optq.core.config import QuantConfig
 
-__all__ = ["fit", "fit_groups", "quantize", "dequantize", "fake_quantize", "group_width", "group_index"]
+__all__ = [
+    "fit",
+    "fit_groups",
+    "without_hessian",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "group_width",
+    "group_index",
+]
 
 
 def _params_from_range(
@@ -37,6 +48,13 @@ def _params_from_range(
         scale = (xmax - xmin) / maxq
         zero = torch.round(-xmin / scale).clamp_(0, maxq)
     return scale, zero
+
+
+def without_hessian(config: QuantConfig) -> QuantConfig:
+    """The grid settings of a rounding that reads no Hessian (round-to-nearest): the H-weighted
+    search (``mse_hessian``, the default) has no H to weigh by, so each range is min/max, as
+    measured best for rounding; the plain search (``mse`` alone) runs as asked."""
+    return dataclasses.replace(config, mse=False, mse_hessian=False) if config.mse_hessian else config
 
 
 def fit(

@@ -351,8 +351,11 @@ def _solution(
 
 
 def rtn(W: torch.Tensor, config: QuantConfig) -> Solution:
-    """Round-to-nearest on the same grid as ``gptq`` (groups in natural column order)."""
+    """Round-to-nearest on the same grid as ``gptq`` (groups in natural column order); it reads
+    no Hessian, so the default H-weighted range search leaves its ranges min/max
+    (``grid.without_hessian``)."""
     _check(W, None, config)
+    config = grid.without_hessian(config)
     rows, cols = W.shape
     Wf = W.to(_work_dtype(W))
     scales, zeros = grid.fit_groups(Wf, config)

@@ -31,11 +31,11 @@ log = logging.getLogger("optq.compare")
 
 VARIANT_HELP = (
     f"fp | {' | '.join(methods.names())} (with optq's default settings; gptaq is the default method), each optionally "
-    "followed by +modifiers: +plain (textbook "
-    "GPTQ: no act-order, no token normalisation, H not shrunk), +no_act_order, +no_norm, +act_order (dynamic groups), "
-    "+static_groups, +mse, +hmse (the mse search weighted by H's diagonal), +original (propagate unquantized "
-    "activations), +sym / +asym, +g<N> "
-    "(group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward "
+    "followed by +modifiers: +plain (textbook GPTQ: no act-order, no token normalisation, H not shrunk, min/max "
+    "ranges), +no_act_order, +no_norm, +act_order (dynamic groups), +static_groups, +hmse (each group's range "
+    "searched for the least rounding error weighted by H's diagonal: the default; rtn, with no H, then keeps min/max "
+    "ranges), +mse (the same search unweighted), +minmax (no search: min/max ranges), +original (propagate "
+    "unquantized activations), +sym / +asym, +g<N> (group size), +b<N> (bits), +damp<X>, +shrink<S> (H toward "
     "its diagonal; default 0.5, gptq+shrink0 is GPTQ without it); gptaq also +alpha<A> "
     "(the correction's scale) and +full (from the least-squares optimum); e.g. gptq+plain, rtn+mse, "
     "gptq+g64, gptq+shrink0.5, gptaq+alpha1"
@@ -80,12 +80,21 @@ def parse_variant(spec: str, base: QuantConfig) -> Variant:
             changes.update(act_order=False, static_groups=False)
         elif mod == "no_norm":
             changes["normalize_tokens"] = False
-        elif mod == "plain":
-            changes.update(act_order=False, static_groups=False, normalize_tokens=False, diag_shrink=0.0)
+        elif mod == "plain":  # min/max ranges too, as the paper's GPTQ
+            changes.update(
+                act_order=False,
+                static_groups=False,
+                normalize_tokens=False,
+                diag_shrink=0.0,
+                mse=False,
+                mse_hessian=False,
+            )
         elif mod == "static_groups":
             changes.update(act_order=True, static_groups=True)
-        elif mod == "mse":
-            changes["mse"] = True
+        elif mod == "mse":  # the unweighted search
+            changes.update(mse=True, mse_hessian=False)
+        elif mod == "minmax":  # no search: each range from the group's min and max
+            changes.update(mse=False, mse_hessian=False)
         elif mod == "hmse":  # the mse search weighted by H's diagonal
             if not own.reads_hessian:
                 raise ValueError(f"{spec!r}: +hmse weights the range search by the Hessian, which {method} never reads")

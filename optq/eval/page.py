@@ -136,6 +136,15 @@ def _sizes(folder: Path, report: dict[str, Any], config: dict[str, Any]) -> dict
     return {"disk": disk, "fp": fp, "fp_dtype": str(source).removeprefix("torch."), "floats": floats}
 
 
+def _search_text(q: dict[str, Any], method: str) -> str:
+    """How each group's range was fitted, as the report's summary says it."""
+    if not q.get("mse"):
+        return "no (min/max ranges)"
+    if method == "rtn":  # round-to-nearest reads no Hessian to weight the search by (grid.without_hessian)
+        return "no (min/max ranges: round-to-nearest reads no Hessian)" if q.get("mse_hessian") else "yes, unweighted"
+    return "yes, weighted by H's diagonal (--mse-hessian)" if q.get("mse_hessian") else "yes, unweighted"
+
+
 def _summary(
     folder: Path, report: dict[str, Any], config: dict[str, Any], sizes: dict[str, Any], calib_hint: str | None = None
 ) -> str:
@@ -177,12 +186,7 @@ def _summary(
             else "from the original model",
         ),
         ("H shrunk toward its diagonal (--diag-shrink)", f"{q.get('diag_shrink') or 0:g}"),
-        (
-            "grid search (--mse)",
-            ("yes, weighted by H's diagonal (--mse-hessian)" if q.get("mse_hessian") else "yes")
-            if q.get("mse")
-            else "no (min/max ranges)",
-        ),
+        ("grid search (--mse)", _search_text(q, str(o.get("method", "gptq")))),
         (
             "size on disk",
             f"{mb(sizes['disk'])} against {mb(sizes['fp'])} in {sizes['fp_dtype']} "

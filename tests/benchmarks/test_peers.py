@@ -19,7 +19,7 @@ import peers  # noqa: E402
 
 def test_peer_list_defaults_order_and_unknown_names():
     assert peers.parse_peers(None, quick=False) == list(peers.PEERS)
-    assert len(peers.PEERS) == 11
+    assert len(peers.PEERS) == 13
     assert peers.parse_peers(None, quick=True) == ["optq", "optq-gptq", "gptqmodel", "llm-compressor"]
     assert peers.parse_peers(" auto-round, optq,auto-round ", quick=True) == ["auto-round", "optq"]
     with pytest.raises(ValueError, match="unknown peer.*gptq-model.*known: optq"):
@@ -199,3 +199,34 @@ def test_the_checkpoint_is_found_in_out_or_its_one_subfolder(tmp_path):
     for bad in (tmp_path / "missing", tmp_path / "logs-only"):
         with pytest.raises(RuntimeError, match="holds no checkpoint"):
             peers.model_folder(bad)
+
+
+def test_optq_child_variants_fit_the_ranges_they_name(tmp_path):
+    """optq's child on a tiny Llama: the default searches each range weighted by H, ``-mse``
+    unweighted, ``-minmax`` and rtn take min/max; the checkpoint's report records which."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny import build
+
+    build("llama").save_pretrained(tmp_path / "model")
+    ids = tmp_path / "ids.safetensors"
+    save_file({"ids": torch.randint(0, 90, (4, 16), generator=torch.Generator().manual_seed(0))}, str(ids))
+    expected = {"gptaq": (True, True), "gptq-mse": (True, False), "gptq-minmax": (False, False), "rtn": (False, False)}
+    for variant, (mse, weighted) in expected.items():
+        out = tmp_path / variant
+        args = ["--variant", variant, "--model", str(tmp_path / "model"), "--ids", str(ids), "--out", str(out)]
+        done = subprocess.run(
+            [sys.executable, str(peers.CHILDREN / "optq_child.py"), *args, "--bits", "4", "--group-size", "16"],
+            capture_output=True,
+            text=True,
+            env=peers._env(optq_on_path=True),
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        config = json.loads((out / "quantization_report.json").read_text())["config"]
+        assert (config["mse"], config["mse_hessian"]) == (mse, weighted), variant
+        assert config["sym"] and config["bits"] == 4 and config["group_size"] == 16
+        result = json.loads(done.stdout.split("PEER_RESULT ", 1)[1])
+        assert variant.split("-")[0] in result["notes"]

@@ -145,3 +145,18 @@ def test_the_lw_candidate_shrinks_each_layer_by_its_rule(tmp_path):
     plain = results.data["runs"][shift.run_key("tiny", 4, "a+b", "gptq+shrink0", PLAN)]
     assert lw["layer_shrink"]["max"] == max(expected.values()) > 0
     assert lw["ppl"] != plain["ppl"]  # the overrides reached the solver
+
+
+def test_a_candidate_name_means_min_max_ranges_unless_it_asks_for_a_search():
+    # The JSON's keys predate the range search becoming optq's default: a name keeps its run.
+    cases = {
+        "rtn": (False, False),
+        "gptq+shrink0": (False, False),
+        "gptaq+shrink0.5": (False, False),
+        "gptq+shrink0.5+mse": (True, False),
+        "gptaq+shrink0.5+hmse": (True, True),
+    }
+    for name, (mse, weighted) in cases.items():
+        config = shift._variant(name, 3, PLAN).config
+        assert (config.mse, config.mse_hessian, config.bits, config.group_size) == (mse, weighted, 3, 16), name
+    assert optq.QuantConfig().mse and optq.QuantConfig().mse_hessian  # while optq's own default searches

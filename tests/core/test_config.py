@@ -46,7 +46,7 @@ def test_frozen_and_keyword_only():
         ({"mse_grid": 0}, "mse_grid", "positive"),
         ({"mse_maxshrink": 1.0}, "mse_maxshrink", "between 0 and 1"),
         ({"mse_norm": 0.0}, "mse_norm", "positive"),
-        ({"mse_hessian": True}, "mse_hessian", "mse=True"),
+        ({"mse": False, "mse_hessian": True}, "mse_hessian", "mse=True"),
         ({"act_order": "yes"}, "act_order", "bool"),
     ],
 )

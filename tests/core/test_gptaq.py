@@ -147,8 +147,8 @@ def test_solver_equals_the_paper_sweep_done_slowly(act_order, alpha):
     for step, i in enumerate(order[:-1]):
         F = order[step + 1 :]
         T[:, F] += alpha * torch.outer(W[:, i], C[i, F] @ torch.linalg.inv(Hd[F][:, F]))
-    if act_order:  # static groups: fitted from T
-        s, z = grid.fit_groups(T, cfg)
+    if act_order:  # static groups: fitted from T, the range search weighted by diag(H) (the default)
+        s, z = grid.fit_groups(T, cfg, H.diagonal())
         assert torch.allclose(sol.scales, s, rtol=1e-10)
         assert torch.equal(sol.zeros, z.to(torch.int32))
     codes = slow_sweep(W, H, C, cfg, alpha, sol.scales, sol.zeros, sol.g_idx.long(), sol.perm)

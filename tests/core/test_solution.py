@@ -98,7 +98,11 @@ def test_views_of_the_weight_share_the_guard():
 
 def test_fit_groups_is_grid_fit_on_each_natural_group():
     w = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
-    for group_size, cfg_kw in ((16, {}), (-1, {"sym": False}), (7, {"mse": True, "mse_grid": 10})):
+    for group_size, cfg_kw in (
+        (16, {"mse": False}),
+        (-1, {"sym": False, "mse": False}),
+        (7, {"mse": True, "mse_grid": 10, "mse_hessian": False}),  # the search rounding runs too: unweighted
+    ):
         cfg = optq.QuantConfig(bits=3, group_size=group_size, **cfg_kw)
         scales, zeros = grid.fit_groups(w, cfg)
         width = 40 if group_size == -1 else group_size

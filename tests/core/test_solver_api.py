@@ -67,8 +67,11 @@ def test_act_order_bookkeeping():
     static = optq.gptq(W, H, optq.QuantConfig(group_size=32, act_order=True, static_groups=True))
     assert static.g_idx.tolist() == [k // 32 for k in range(96)]
     # static groups' parameters are fitted on the unquantized W, so they equal round-to-nearest's
-    rtn = optq.rtn(W, optq.QuantConfig(group_size=32))
-    assert torch.equal(static.scales, rtn.scales)
+    # on the same (unweighted) search, and the default H-weighted search's on W with diag(H)
+    plain = optq.gptq(W, H, optq.QuantConfig(group_size=32, act_order=True, mse_hessian=False))
+    rtn = optq.rtn(W, optq.QuantConfig(group_size=32, mse_hessian=False))
+    assert torch.equal(plain.scales, rtn.scales)
+    assert torch.equal(static.scales, grid.fit_groups(W, optq.QuantConfig(group_size=32), H.diagonal())[0])
 
 
 def test_per_channel_group():
@@ -151,7 +154,7 @@ def test_mse_clipping_search_is_the_best_candidate():
                     zi = torch.round(-lo / si)
                 best = min(best, float(((grid.fake_quantize(w[r], si, zi, cfg.maxq) - w[r]) ** 2).sum()))
             assert float(err[r]) == pytest.approx(best, rel=1e-5)
-        plain = grid.fit(w, optq.QuantConfig(bits=3, sym=sym))
+        plain = grid.fit(w, optq.QuantConfig(bits=3, sym=sym, mse=False))
         plain_err = ((grid.fake_quantize(w, plain[0][:, None], plain[1][:, None], 7) - w) ** 2).sum(1)
         assert torch.all(err <= plain_err) and torch.any(err < plain_err)
 
@@ -185,7 +188,7 @@ def test_thread_count_is_restored_when_the_column_loop_is_interrupted(monkeypatc
     try:
         torch.set_num_threads(2)
         with pytest.raises(error):
-            optq.gptq(W, H, optq.QuantConfig(group_size=32))
+            optq.gptq(W, H, optq.QuantConfig(group_size=32, mse=False))  # the range search dequantizes too
         assert calls == [1]  # it did run single-threaded ...
         assert torch.get_num_threads() == 2  # ... and is back to what the caller had
     finally:
@@ -279,3 +282,15 @@ def test_gptq_weights_its_mse_search_by_the_hessian_diagonal(static):
     o = optq.obq(W[:2, :32], H[:32, :32], small)
     s, z = grid.fit_groups(W[:2, :32], small, H.diagonal()[:32].float())
     assert torch.equal(o.scales, s) and not torch.equal(s, grid.fit_groups(W[:2, :32], small)[0])
+
+
+def test_round_to_nearest_keeps_min_max_ranges_under_the_default_weighted_search():
+    g = torch.Generator().manual_seed(9)
+    W = torch.randn(8, 64, generator=g)
+    W[:, 5] *= 10  # an outlier that the plain search would clip
+    minmax = optq.rtn(W, optq.QuantConfig(bits=3, group_size=32, mse=False))
+    default = optq.rtn(W, optq.QuantConfig(bits=3, group_size=32))  # mse and mse_hessian on: no H to weigh by
+    plain = optq.rtn(W, optq.QuantConfig(bits=3, group_size=32, mse_hessian=False))  # the unweighted search
+    assert torch.equal(default.codes, minmax.codes) and torch.equal(default.scales, minmax.scales)
+    assert not default.config.mse and not torch.equal(plain.scales, minmax.scales)
+    assert torch.equal(plain.scales, grid.fit_groups(W, optq.QuantConfig(bits=3, group_size=32, mse_hessian=False))[0])

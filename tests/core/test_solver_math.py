@@ -78,6 +78,7 @@ def test_rank_one_deletion_equals_inverse_of_the_reduced_hessian():
 def textbook_gptq(W: torch.Tensor, H: torch.Tensor, cfg: optq.QuantConfig) -> torch.Tensor:
     """The per-coordinate algorithm with explicit rank-one deletions (no Cholesky, no blocks)."""
     rows, d = W.shape
+    imp = H.diagonal().clone() if cfg.mse and cfg.mse_hessian else None  # the search's weights: the caller's H
     H = (1 - cfg.diag_shrink) * H + cfg.diag_shrink * torch.diag(H.diagonal())  # toward its diagonal
     H.diagonal().add_(cfg.damp * H.diagonal().mean())
     order = torch.argsort(torch.diagonal(H), descending=True, stable=True) if cfg.act_order else torch.arange(d)
@@ -88,13 +89,14 @@ def textbook_gptq(W: torch.Tensor, H: torch.Tensor, cfg: optq.QuantConfig) -> to
     params = {}
     if cfg.static_groups:
         for g in range(math.ceil(d / gs)):
-            params[g] = grid.fit(W[:, g * gs : (g + 1) * gs], cfg)
+            cols = slice(g * gs, (g + 1) * gs)
+            params[g] = grid.fit(W[:, cols], cfg, None if imp is None else imp[cols])
     for pos, q in enumerate(order.tolist()):
         if cfg.static_groups:
             s, z = params[q // gs]
         elif pos % gs == 0:
             cols = order[pos : pos + gs]
-            s, z = grid.fit(w[:, cols], cfg)
+            s, z = grid.fit(w[:, cols], cfg, None if imp is None else imp[cols])
         c = grid.quantize(w[:, q], s, z, cfg.maxq)
         codes[:, q] = c
         err = (w[:, q] - grid.dequantize(c, s, z)) / Hinv[q, q]
@@ -115,14 +117,21 @@ def textbook_gptq(W: torch.Tensor, H: torch.Tensor, cfg: optq.QuantConfig) -> to
     ],
 )
 @pytest.mark.parametrize("shrink", [0.0, 0.5])  # plain GPTQ, optq's default
-def test_blocked_solver_equals_textbook_loop(group_size, act_order, static_groups, shrink):
+@pytest.mark.parametrize("search", ["minmax", "hmse"])  # min/max ranges; the H-weighted search (the default)
+def test_blocked_solver_equals_textbook_loop(group_size, act_order, static_groups, shrink, search):
     # Asymmetric grid: a symmetric grid puts ±absmax exactly on a rounding tie (±(2^b - 1)/2),
     # where float-order differences legitimately pick either neighbour at equal cost.
     d = 40
     H = hessian_of(correlated(200, d, seed=4))
     W = torch.randn(6, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     kw = dict(
-        bits=3, group_size=group_size, sym=False, act_order=act_order, static_groups=static_groups, diag_shrink=shrink
+        bits=3,
+        group_size=group_size,
+        sym=False,
+        act_order=act_order,
+        static_groups=static_groups,
+        diag_shrink=shrink,
+        mse=search == "hmse",
     )
     expected = textbook_gptq(W, H, optq.QuantConfig(**kw))
     for block in (1, 7, 128):
@@ -137,8 +146,11 @@ def test_diagonal_hessian_gives_round_to_nearest(sym):
     W = torch.randn(32, 100, generator=g)
     H = torch.diag(torch.rand(100, generator=g) + 0.1)
     for act_order in (False, True):
-        cfg = optq.QuantConfig(bits=4, group_size=-1 if act_order else 32, sym=sym, act_order=act_order)
-        assert torch.equal(optq.gptq(W, H, cfg).codes, optq.rtn(W, cfg).codes)
+        for mse in (False, True):  # min/max ranges, and the unweighted search rounding uses
+            cfg = optq.QuantConfig(
+                bits=4, group_size=-1 if act_order else 32, sym=sym, act_order=act_order, mse=mse, mse_hessian=False
+            )
+            assert torch.equal(optq.gptq(W, H, cfg).codes, optq.rtn(W, cfg).codes)
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs_over_many_seeds():
@@ -157,10 +169,10 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs_over_many_seeds():
 def test_growing_damping_approaches_round_to_nearest():
     H = hessian_of(correlated(256, 48, seed=7))
     W = torch.randn(24, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-    rtn = optq.rtn(W, optq.QuantConfig(bits=3, group_size=16, sym=False))
+    rtn = optq.rtn(W, optq.QuantConfig(bits=3, group_size=16, sym=False, mse=False))
     mismatch = []
-    for damp in (0.01, 1.0, 1e2, 1e6):
-        cfg = optq.QuantConfig(bits=3, group_size=16, sym=False, damp=damp, damp_max=damp)
+    for damp in (0.01, 1.0, 1e2, 1e6):  # on rounding's grid: min/max ranges
+        cfg = optq.QuantConfig(bits=3, group_size=16, sym=False, damp=damp, damp_max=damp, mse=False)
         mismatch.append(int((optq.gptq(W, H, cfg).codes != rtn.codes).sum()))
     assert mismatch[0] > 0
     assert mismatch == sorted(mismatch, reverse=True)
@@ -215,10 +227,14 @@ def test_dead_inputs_are_rounded_and_kept():
     X = correlated(64, 16, seed=11, dtype=torch.float32)
     X[:, 3] = 0.0
     W = torch.randn(4, 16)
-    sol = optq.gptq(W, hessian_of(X), optq.QuantConfig(bits=4, group_size=-1))
-    rtn = optq.rtn(W, optq.QuantConfig(bits=4, group_size=-1))
-    # the dead column is not zeroed: it is rounded on the grid like round-to-nearest would
-    assert torch.equal(sol.codes[:, 3], rtn.codes[:, 3])
+    for mse in (False, True):  # min/max ranges; the default H-weighted search, where it weighs nothing
+        cfg = optq.QuantConfig(bits=4, group_size=-1, mse=mse)
+        sol = optq.gptq(W, hessian_of(X), cfg)
+        # the dead column is not zeroed: it is rounded on its grid, as round-to-nearest would
+        rounded = grid.quantize(W[:, 3:4], sol.scales, sol.zeros.float(), cfg.maxq)[:, 0]
+        assert torch.equal(sol.codes[:, 3].float(), rounded.float())
+        if not mse:
+            assert torch.equal(sol.codes[:, 3], optq.rtn(W, cfg).codes[:, 3])
     assert torch.isfinite(sol.weight).all()
 
 
@@ -252,7 +268,9 @@ def test_diag_shrink_solves_the_shrunk_hessian_and_reports_on_the_callers(act_or
         assert sol.loss != pytest.approx(ref.loss, rel=1e-6)  # ref's loss is on the shrunk H
     # Shrunk all the way, H is diagonal: no compensation, round-to-nearest exactly.
     full = optq.gptq(W, H, optq.QuantConfig(**{**base.to_dict(), "diag_shrink": 1.0}))
-    assert torch.equal(full.codes, optq.rtn(W, base).codes)
+    unweighted = {**base.to_dict(), "mse_hessian": False}  # the search rounding can run too: unweighted
+    same_grid = optq.gptq(W, H, optq.QuantConfig(**{**unweighted, "diag_shrink": 1.0}))
+    assert torch.equal(same_grid.codes, optq.rtn(W, optq.QuantConfig(**unweighted)).codes)
     # And on its own H, GPTQ is at least as good as any shrunk solve.
     plain = optq.gptq(W, H, base).loss
     assert plain <= min(sol.loss, full.loss)

@@ -26,6 +26,11 @@ def test_variant_names_map_onto_configs():
     assert parse_variant("fp", base).config is None
     weighted = parse_variant("gptaq+hmse", base).config
     assert weighted.mse and weighted.mse_hessian and not parse_variant("gptaq+mse", base).config.mse_hessian
+    # the default searches weighted by H; +mse unweighted; +minmax and +plain take min/max ranges
+    assert parse_variant("gptq", optq.QuantConfig()).config.mse_hessian
+    for spec, search in (("gptq+mse", (True, False)), ("gptq+minmax", (False, False)), ("gptq+plain", (False, False))):
+        config = parse_variant(spec, optq.QuantConfig()).config
+        assert (config.mse, config.mse_hessian) == search, spec
     shrunk = parse_variant("gptq+shrink0.25+damp0.1", base).config
     assert (shrunk.diag_shrink, shrunk.damp) == (0.25, 0.1)
     # optq's defaults shrink H halfway; textbook GPTQ (+plain) and +shrink0 do not

@@ -25,7 +25,7 @@ __all__ = ["RoundToNearest", "ROUNDING", "rounded"]
 
 def rounded(w: torch.Tensor, config: QuantConfig, setting: tuple[int, int]) -> torch.Tensor:
     """``w`` rounded to nearest on its natural groups at ``setting`` (bits, group size), float32."""
-    cfg = dataclasses.replace(config, bits=setting[0], group_size=setting[1])
+    cfg = grid.without_hessian(dataclasses.replace(config, bits=setting[0], group_size=setting[1]))
     w = w.float()
     scale, zero = grid.fit_groups(w, cfg)
     idx = grid.group_index(w.shape[1], cfg.group_size, w.device).long()
