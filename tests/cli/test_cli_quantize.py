@@ -125,6 +125,7 @@ def test_unknown_model_lists_the_known_ones(tmp_path, capsys):
 
 
 def test_flags_map_one_to_one_onto_quant_config():
+    from optq.cli import CliError
     from optq.cli.quantize import config_from_args
 
     parser = build_parser()
@@ -178,8 +179,19 @@ def test_flags_map_one_to_one_onto_quant_config():
     )
     defaults = parser.parse_args(["quantize", "m", "-o", "o"])
     assert config_from_args(defaults) == optq.QuantConfig()
-    weighted = config_from_args(parser.parse_args(["quantize", "m", "-o", "o", "--mse-hessian"]))
-    assert weighted == optq.QuantConfig(mse=True, mse_hessian=True)  # --mse-hessian implies --mse
+    assert config_from_args(defaults).mse and config_from_args(defaults).mse_hessian  # the weighted search
+    searches = {
+        ("--mse-hessian",): (True, True),
+        ("--no-mse-hessian",): (True, False),
+        ("--no-mse",): (False, False),
+        ("--method", "rtn"): (True, True),  # rounding reads no H: min/max (grid.without_hessian)
+        ("--method", "rtn", "--no-mse-hessian"): (True, False),
+    }
+    for flags, search in searches.items():
+        config = config_from_args(parser.parse_args(["quantize", "m", "-o", "o", *flags]))
+        assert (config.mse, config.mse_hessian) == search, flags
+    with pytest.raises(CliError, match="cannot go with --no-mse"):
+        config_from_args(parser.parse_args(["quantize", "m", "-o", "o", "--no-mse", "--mse-hessian"]))
 
 
 def test_calibration_from_several_sources(model_dir, tmp_path, capsys):
