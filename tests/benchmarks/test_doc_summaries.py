@@ -39,7 +39,7 @@ def test_shift_summary_gives_each_sections_worst_cell(tmp_path):
     assert summary.startswith("In short: each section's worst cell")
     head, rule, row = table.splitlines()
     # GPTQ with the shrink was not measured: no column for it.
-    assert head == "| section | plain GPTQ | GPTAQ, H shrunk halfway (the default) |"
+    assert head == "| section | plain GPTQ | GPTAQ, H shrunk halfway (the default until 2026-12-06) |"
     assert row == "| m, 4-bit g16, 4 x 16; 2 windows of 16 per text | 1.20 | 0.70 |"
 
 
