@@ -123,7 +123,9 @@ class QuantConfig:
             _fail(
                 "mse_hessian",
                 True,
-                "True only together with mse=True (it weights the mse search; default: mse's value)",
+                "True only together with mse=True (it weights the mse search; default: mse's value; "
+                "dataclasses.replace(config, mse=False) keeps the resolved mse_hessian=True: "
+                "pass mse_hessian=False too)",
             )
         if not 0.0 <= self.diag_shrink <= 1.0:
             _fail("diag_shrink", self.diag_shrink, "a fraction from 0 to 1")

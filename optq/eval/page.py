@@ -140,7 +140,13 @@ def _search_text(q: dict[str, Any], method: str) -> str:
     """How each group's range was fitted, as the report's summary says it."""
     if not q.get("mse"):
         return "no (min/max ranges)"
-    if method == "rtn":  # round-to-nearest reads no Hessian to weight the search by (grid.without_hessian)
+    from optq.pipeline import methods
+
+    try:
+        reads_hessian = methods.get(method).reads_hessian
+    except ValueError:  # a method this install does not register: its report says what it read
+        reads_hessian = True
+    if not reads_hessian:  # no Hessian to weight the search by (grid.without_hessian)
         return "no (min/max ranges: round-to-nearest reads no Hessian)" if q.get("mse_hessian") else "yes, unweighted"
     return "yes, weighted by H's diagonal (--mse-hessian)" if q.get("mse_hessian") else "yes, unweighted"
 

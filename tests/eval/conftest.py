@@ -64,7 +64,7 @@ def enwiki(smollm2):
 def gptq4(smollm2, enwiki):
     """A copy of SmolLM2 quantized in memory by ``optq.quantize`` with the default settings
     (GPTAQ, 4-bit g128, act-order + static groups, normalize_tokens, H shrunk halfway toward its
-    diagonal): (model, report, its perplexity
+    diagonal, ranges searched weighted by H's diagonal): (model, report, its perplexity
     on the evaluation windows)."""
     model, _ = smollm2
     calib, windows = enwiki

@@ -52,7 +52,9 @@ def test_saved_checkpoint_evaluates_like_the_in_memory_model(smollm2, enwiki, gp
     assert row["corpus"] == "enwiki" and row["windows"] == n_windows
     assert row["tokens"] == n_windows * (seqlen - 1)
     # the command loads the folder as optq.load does by default (fast path on, bfloat16
-    # embeddings: +0.01% on this checkpoint) and reads the same windows
+    # embeddings: measured +0.01% on this checkpoint with min/max ranges, -0.13% with the default's
+    # searched ones: rounding the embeddings to bfloat16 moves 4 windows' perplexity by that much)
+    # and reads the same windows
     served_ppl = optq.perplexity(optq.load(folder), windows)
-    assert served_ppl == pytest.approx(fast_ppl, rel=1e-3)
+    assert served_ppl == pytest.approx(fast_ppl, rel=4e-3)
     assert row["perplexity"] == pytest.approx(served_ppl, rel=1e-6)
