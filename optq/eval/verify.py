@@ -226,6 +226,8 @@ def _decode_vllm(w4a8: bool) -> Callable[..., dict[str, Any]]:
         python = vllm.vllm_python(options.get("vllm_python"))
         if python is None:
             raise EngineSkipped(f"no vLLM interpreter found: {VLLM_INSTALL}")
+        if not vllm.has_int4_kernel_here():
+            raise EngineSkipped(vllm.NO_INT4_KERNEL)
         out = vllm.decode(folder, prompts, n, k, python=python, w4a8=w4a8)
         if w4a8 and not out.get("w4a8"):
             raise EngineSkipped(f"vLLM ran no layer as W4A8 (kernel {out.get('kernel')}): engine vllm covers it")
@@ -244,7 +246,10 @@ NO_W4A8 = "this CPU has no AMX tiles: vLLM runs 4-bit layers weight-only here (e
 # the fast path computes in bfloat16 (measured at most 0.20, mean 0.043-0.046); transformers with
 # compressed-tensors decompresses to float32 (measured 1e-5; GPTQModel not measured here).
 # vLLM's weight-only CPU kernel computes in bfloat16 like the fast path (measured 0.28 / 0.053
-# on a CPU without AMX, 0.28-0.30 / 0.05 on one with AMX). Its W4A8 path (vLLM's default on CPUs
+# on a CPU without AMX, 0.28-0.30 / 0.05 on one with AMX; on optq's default checkpoint with
+# H-weighted ranges, CI 2026-12-06, without AMX: 1.04 / 0.059 and 0.98 / 0.06, at step 13 of 16
+# of one prompt, both formats: logprob 1.5 keeps 1.4x of that, the mean is unchanged; a broken
+# layout moves the mean by nats). Its W4A8 path (vLLM's default on CPUs
 # with AMX) also rounds every linear's input to 8 bits: measured on the built-in probes up to
 # 0.73 (mean 0.25), the runner-up taken at recorded gaps up to 0.58 (SmolLM2-135M at optq's
 # defaults, both formats): tie 1.0 and 1.5 keep about 2x of that; a broken layout is off by
@@ -255,7 +260,7 @@ ENGINES: dict[str, Engine] = {
     "transformers": Engine(
         "transformers", "transformers with GPTQModel or compressed-tensors", 0.1, 0.1, _decode_transformers
     ),
-    "vllm": Engine("vllm", "vLLM's weight-only CPU kernel (bfloat16 activations)", 0.5, 0.5, _decode_vllm(False)),
+    "vllm": Engine("vllm", "vLLM's weight-only CPU kernel (bfloat16 activations)", 0.5, 1.5, _decode_vllm(False)),
     "vllm-w4a8": Engine(
         "vllm-w4a8", "vLLM's W4A8 CPU path (8-bit activations; its default with AMX)", 1.0, 1.5, _decode_vllm(True)
     ),

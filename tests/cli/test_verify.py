@@ -114,6 +114,19 @@ def test_vllms_w4a8_path_is_skipped_on_a_cpu_where_vllm_never_takes_it(checkpoin
     assert code == 0 and "vllm-w4a8: skipped: no vLLM interpreter found: optq install-vllm" in out, out
 
 
+def test_vllm_is_skipped_on_a_cpu_its_build_has_no_4bit_kernel_for(checkpoint, capsys, monkeypatch, tmp_path):
+    from optq.eval import vllm
+
+    never = tmp_path / "never-run-python"  # an interpreter that must not be started
+    monkeypatch.setenv("OPTQ_VLLM_PYTHON", str(never))
+    monkeypatch.setattr(vllm, "has_int4_kernel_here", lambda: False)  # an x86 CPU with AVX2 only
+    code, out, _ = _verify(capsys, str(checkpoint), "--engines", "vllm")
+    assert code == 0 and f"vllm: skipped: {vllm.NO_INT4_KERNEL}" in out, out
+    monkeypatch.setattr(vllm, "has_int4_kernel_here", lambda: True)  # the kernel is there: vLLM is started
+    code, out, _ = _verify(capsys, str(checkpoint), "--engines", "vllm")
+    assert code == 1 and "vllm: failed" in out and "never-run-python" in out, out
+
+
 def test_usage_errors_exit_2_naming_the_file(checkpoint, model_dir, capsys, tmp_path):
     code, _, err = _verify(capsys, str(tmp_path / "nowhere"))
     assert code == 2 and "nowhere: no such folder" in err
