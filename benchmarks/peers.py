@@ -287,11 +287,28 @@ def fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def by_kl(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows best first (lowest mean KL), errors last in the order they were run."""
+    return sorted(rows, key=lambda r: (r.get("error") is not None or r.get("kl") is None, r.get("kl") or 0.0))
+
+
+def corpus_table(results: dict[str, Any]) -> str:
+    """KL by corpus, top-1 agreement in brackets, one row per peer that ran (best first)."""
+    corpora = results["corpora"]
+    rows = []
+    for r in by_kl(results["rows"]):
+        if r.get("error") or not r.get("by_corpus"):
+            continue
+        cells = [r["by_corpus"].get(c) for c in corpora]
+        rows.append([r["peer"], *("-" if x is None else f"{x['kl']:.3f} ({x['top1']:.1%})" for x in cells)])
+    return md_table(["peer", *corpora], rows)
+
+
 def table(results: dict[str, Any]) -> str:
     corpora = results["corpora"]
     head = ["peer", "quantize s", "peak RSS MB", "KL", "KL p99", "top-1", *(f"ppl {c}" for c in corpora), "MB"]
     rows = []
-    for r in results["rows"]:
+    for r in by_kl(results["rows"]):
         if r.get("error"):
             rows.append([r["peer"], "error: " + r["error"].strip().splitlines()[0][:80], *[""] * (len(head) - 2)])
             continue
@@ -314,7 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="16 x 256 calibration, 4 evaluation windows a corpus, 4 peers")
     ap.add_argument("--json", type=Path, help="default benchmarks/results/peers-MODEL-BITS[-quick].json")
     ap.add_argument("--work", type=Path, help="venvs, calibration ids and checkpoints (default OPTQ_CACHE/bench/peers)")
+    ap.add_argument("--tables", action="store_true", help="print the tables of the JSON as it stands and stop")
     args = ap.parse_args(argv)
+    if args.tables:
+        path = args.json or default_json(args.model, args.bits, args.quick)
+        results = json.loads(path.read_text())
+        print(f"{table(results)}\n\nKL by corpus, in brackets top-1 agreement:\n\n{corpus_table(results)}")
+        return 0
     try:
         peers = parse_peers(args.peers, args.quick)
     except ValueError as exc:
@@ -352,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     fp = "  ".join(f"{r['corpus']} {r['perplexity']:.3f}" for r in results["fp"])
     print(f"\n{args.model} {args.bits}-bit g{args.group_size}, fp perplexity: {fp}\n")
     print(table(results))
-    print(f"\nwrote {path}")
+    print(f"\n{corpus_table(results)}\n\nwrote {path}")
     return 0
 
 

@@ -67,6 +67,26 @@ def test_a_row_carries_the_schema_and_averages_the_corpora():
     assert set(peers.ROW_KEYS) <= set(err) and err["error"] == "boom" and err["kl"] is None
 
 
+def test_the_tables_list_the_best_kl_first_and_errors_last(tmp_path, capsys):
+    corpora = [("enwiki", 20.0, 0.4, 1.0, 0.7), ("code", 5.0, 0.2, 0.8, 0.9)]
+    worse = peers.make_row("optq-rtn", 4, 64, {"bytes": 1}, _eval_json("fp", corpora))
+    better = peers.make_row(
+        "optq", 4, 64, {"bytes": 1}, _eval_json("fp", [(c, p, k / 2, q, t) for c, p, k, q, t in corpora])
+    )
+    results = {"corpora": ["enwiki", "code"], "rows": [peers.error_row("gptqmodel", 4, 64, "boom"), worse, better]}
+    lines = peers.table(results).splitlines()[2:]
+    assert [ln.split(" | ")[0].strip("| ") for ln in lines] == ["optq", "optq-rtn", "gptqmodel"]
+    assert "error: boom" in lines[2]
+    by_corpus = peers.corpus_table(results).splitlines()
+    assert by_corpus[0] == "| peer | enwiki | code |" and len(by_corpus) == 4  # head, rule, two rows
+    assert by_corpus[2] == "| optq | 0.200 (70.0%) | 0.100 (90.0%) |"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    assert peers.main(["--model", "m", "--bits", "4", "--json", str(path), "--tables"]) == 0
+    out = capsys.readouterr().out
+    assert peers.table(results) in out and peers.corpus_table(results) in out
+
+
 def test_calibration_ids_round_trip(tmp_path):
     ids = torch.randint(0, 50_000, (3, 7), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
     f = tmp_path / "calib.safetensors"
