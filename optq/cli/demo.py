@@ -200,7 +200,7 @@ def _estimate(hf_config: Any, args: argparse.Namespace, corpora: int, variants: 
     evaluate = variants * corpora * args.windows * args.seqlen * 2 * params / speed["flops"]
     minutes = (quantize + evaluate) / 60
     return (
-        f"estimated time on this machine: about {minutes:.0f} min (+-50%; measured 11.5 min on 2 idle "
+        f"estimated time on this machine: about {minutes:.0f} min (+-50%; measured 22.7 min on 2 idle "
         "CPU cores, longer while other work shares them)"
     )
 
