@@ -19,7 +19,8 @@ slower, measured on this machine):
 - prefill (more rows): the int4 kernel is slower than float32 matmul there (it is built for
   matrix-vector products), so the weight is dequantized to bfloat16 from the kernel's own
   packed codes, ``(q - m) * s + s * (m - z)``, and multiplied with bfloat16 matmul, which uses
-  the CPU's bfloat16 units. The dequantized weight lives in a scratch buffer for the call. The
+  the CPU's bfloat16 units (on a CPU without them, the same bfloat16 operands go through float32
+  matmul: :func:`bf16_matmul_is_native`). The dequantized weight lives in a scratch buffer for the call. The
   packed planes hold the codes exactly, so the checkpoint's ``qweight`` can be rebuilt from
   them (:func:`codes_from_packed`) and need not stay in memory beside them.
 
@@ -33,6 +34,7 @@ contiguous once sorted by ``g_idx`` (natural order and act-order with static gro
 from __future__ import annotations
 
 import functools
+import platform
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ __all__ = [
     "KERNEL_GROUPS",
     "PREFILL_ROWS",
     "FastWeight",
+    "bf16_matmul_is_native",
     "build",
     "centred_codes",
     "codes_from_packed",
@@ -66,6 +69,23 @@ PREFILL_ROWS = {2: 80, 3: 80, 4: 80, 8: 40}
 """Rows (tokens) per call from which dequantize + bfloat16 matmul replaces the int4 kernel, by
 bits: where the two cross on SmolLM2's layer shapes (benchmarks/prefill_kernels.py; an 8-bit layer takes
 two int4 calls, so it crosses earlier)."""
+
+
+@functools.cache
+def bf16_matmul_is_native() -> bool:
+    """Whether torch's bfloat16 matmul runs on the CPU's own bfloat16 units (x86: AVX-512 BF16 or
+    AMX; other architectures are assumed to). Where it does not (an x86 CPU with AVX2 only), it is
+    emulated and far slower than float32: measured on a 2-core AMD EPYC without AVX-512, a
+    [512, 576] x [576, 1536] product took 1.61 s in bfloat16 against 0.041 s in float32, and
+    SmolLM2-135M's 4-bit forward of 2 x 512 tokens 351 s against 28 s once the prefill matmul
+    took the same bfloat16 operands to float32 (the exact float32 path: 32 s). There the prefill
+    kernel multiplies in float32 (:func:`matmul`)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    cpu = torch.cpu
+    return bool(
+        getattr(cpu, "_is_avx512_bf16_supported", lambda: True)() or getattr(cpu, "_is_amx_tile_supported", bool)()
+    )
 
 
 def supported(bits: int, in_features: int, out_features: int, group_size: int) -> int | None:
@@ -301,6 +321,8 @@ def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None)
         x = x.index_select(1, fast.perm)
     x = x.to(fast.dtype).contiguous()
     if dense is not None:
+        if dense.dtype == torch.bfloat16 and not bf16_matmul_is_native():
+            return (x.float() @ dense.float()).to(fast.dtype)  # the same bfloat16 operands, float32 kernel
         return x @ dense
     packed, scale_zero = fast.planes[0]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, fast.group, scale_zero.contiguous())

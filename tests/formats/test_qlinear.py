@@ -80,6 +80,24 @@ def test_fast_path_equals_reference_to_bf16_precision(
     assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_on_a_cpu_without_bf16_units_multiplies_the_same_operands_in_float32(monkeypatch) -> None:
+    from optq.formats import cpu_kernels
+
+    sol = _solution(64, 256, bits=4, group_size=64)
+    q = QuantLinear.from_solution(sol, checkpoint_format="gptq_v2")
+    x = torch.randn(cpu_kernels.PREFILL_ROWS[4] + 3, 256)  # the prefill kernel: dequantize + matmul
+    q(x)
+    assert q.fast_weight is not None and q.fast_weight.perm is None
+    dense = q.dense_weight(q.fast_weight)  # [256, 64] in bfloat16
+    assert dense.dtype == torch.bfloat16
+    monkeypatch.setattr(cpu_kernels, "bf16_matmul_is_native", lambda: False)  # an x86 CPU with AVX2 only
+    emulated = q(x)
+    expected = (x.bfloat16().float() @ dense.float()).bfloat16().float()
+    assert torch.equal(emulated, expected)
+    ref = q.forward_reference(x)
+    assert ((emulated - ref).abs() <= bf16_bound(x, q, ref)).all()
+
+
 def test_fast_path_holds_half_a_byte_per_weight_below_8_bits() -> None:
     for bits, planes in ((2, 1), (3, 1), (4, 1), (8, 2)):
         q = QuantLinear.from_solution(_solution(64, 256, bits=bits, group_size=64))
