@@ -57,6 +57,7 @@ __all__ = [
     "from_packed",
     "linear",
     "matmul",
+    "packed_block",
     "packed_layout_known",
     "supported",
     "unpack_codes",
@@ -115,6 +116,7 @@ class FastWeight:
     scale_zero: torch.Tensor
     perm: torch.Tensor | None
     readable: bool = False  # whether the planes' codes can be read back (:func:`from_packed`)
+    block: int = 64  # the packer's output-channel block on this CPU (:func:`packed_block`)
 
     def nbytes(self) -> int:
         """Bytes of the layout's tensors, each counted once (below 8 bits the plane's scales are
@@ -160,8 +162,9 @@ def build(codes: torch.Tensor, layer: Mapping[str, Any], dtype: torch.dtype) -> 
         planes = [(_pack(codes + int(8 - mid)), scale_zero)]
     else:
         planes = [(_pack(codes >> 4), sz(16.0 * s, s * (136.0 - z))), (_pack(codes & 15), sz(s, torch.zeros_like(s)))]
-    readable = n % _BLOCK_N == 0 and packed_layout_known()
-    return FastWeight(dtype, kernel_group, planes, scale_zero, perm, readable)
+    block = packed_block() or 64
+    readable = packed_block() is not None and n % block == 0
+    return FastWeight(dtype, kernel_group, planes, scale_zero, perm, readable, block)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -193,42 +196,54 @@ def _scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
-_BLOCK_N = 64  # the packer's output-channel block: bytes [N/64, K, 32], byte j = (n = j | n = 32 + j << 4)
+# The packer's output-channel block B: bytes [N/B, K, B/2], byte j = (n = j | n = B/2 + j << 4).
+# torch 2.13 packs with B = 64 on CPUs with AVX-512 and B = 32 on AVX2 (measured on an AMD EPYC).
+_BLOCKS = (64, 32)
 
 
-def _nibbles(packed: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+def _nibbles(packed: torch.Tensor, n: int, k: int, out: torch.Tensor, block: int) -> torch.Tensor:
     """The 4-bit codes [K, N] (uint8, into ``out``) of a plane packed by the int4 packer, rows in
     the kernel's channel order. The packer (``_convert_weight_to_int4pack_for_cpu``) stores
-    [N/64, K, 32] bytes whose low nibble is channel 64 b + j and high nibble 64 b + 32 + j; two
-    strided passes write whole 32-byte runs."""
-    by_k = packed.view(torch.uint8).view(n // _BLOCK_N, k, _BLOCK_N // 2).permute(1, 0, 2)
-    halves = out.view(k, n // _BLOCK_N, 2, _BLOCK_N // 2)
+    [N/B, K, B/2] bytes (B = ``block``) whose low nibble is channel B b + j and high nibble
+    B b + B/2 + j; two strided passes write whole B/2-byte runs."""
+    by_k = packed.view(torch.uint8).view(n // block, k, block // 2).permute(1, 0, 2)
+    halves = out.view(k, n // block, 2, block // 2)
     torch.bitwise_and(by_k, 15, out=halves[:, :, 0])
     torch.bitwise_right_shift(by_k, 4, out=halves[:, :, 1])
     return out
 
 
 @functools.cache
-def packed_layout_known() -> bool:
-    """Whether this torch's int4 packer writes the layout :func:`_nibbles` reads (checked once,
-    on random codes): then the packed codes alone describe the weight, and the checkpoint's
-    ``qweight`` can be rebuilt from them instead of being kept beside them."""
+def packed_block() -> int | None:
+    """The output-channel block of the layout this torch's int4 packer writes on this CPU, of
+    those :func:`_nibbles` reads (checked once, on random codes), or None for another layout."""
     if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
-        return False
-    n, k = 2 * _BLOCK_N, 64
+        return None
+    n, k = 2 * max(_BLOCKS), 64
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    try:
-        back = _nibbles(_pack(codes), n, k, torch.empty(k, n, dtype=torch.uint8))
-    except RuntimeError:  # another layout's size
-        return False
-    return torch.equal(back.t().to(torch.int32), codes)
+    packed = _pack(codes)
+    for block in _BLOCKS:
+        try:
+            back = _nibbles(packed, n, k, torch.empty(k, n, dtype=torch.uint8), block)
+        except RuntimeError:  # another layout's size
+            continue
+        if torch.equal(back.t().to(torch.int32), codes):
+            return block
+    return None
+
+
+def packed_layout_known() -> bool:
+    """Whether this torch's int4 packer writes a layout :func:`_nibbles` reads: then the packed
+    codes alone describe the weight, and the checkpoint's ``qweight`` can be rebuilt from them
+    instead of being kept beside them."""
+    return packed_block() is not None
 
 
 def from_packed(fast: FastWeight, n: int) -> bool:
     """Whether ``fast``'s packed codes (n output channels) can be read back
     (:func:`centred_codes`): decided when it was built, so that a compiled forward does not
     run the layout check."""
-    return fast.readable and n % _BLOCK_N == 0
+    return fast.readable and n % fast.block == 0
 
 
 def centred_codes(fast: FastWeight, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,10 +254,10 @@ def centred_codes(fast: FastWeight, n: int, out: torch.Tensor | None = None) -> 
     k = fast.planes[0][0].numel() * 2 // n
     out = torch.empty(k, n, dtype=torch.int8) if out is None else out
     raw = out.view(torch.uint8)
-    _nibbles(fast.planes[0][0], n, k, raw)
+    _nibbles(fast.planes[0][0], n, k, raw, fast.block)
     if len(fast.planes) == 1:
         return out.sub_(8)
-    low = _nibbles(fast.planes[1][0], n, k, _scratch((k, n), torch.uint8))
+    low = _nibbles(fast.planes[1][0], n, k, _scratch((k, n), torch.uint8), fast.block)
     raw.bitwise_left_shift_(4).bitwise_or_(low).bitwise_xor_(0x80)
     return out
 
@@ -289,7 +304,7 @@ def dequantize_traced(fast: FastWeight, n: int) -> torch.Tensor:
     k = fast.planes[0][0].numel() * 2 // n
 
     def nibbles(packed: torch.Tensor) -> torch.Tensor:
-        by_k = packed.view(torch.uint8).view(n // _BLOCK_N, k, _BLOCK_N // 2).permute(1, 0, 2)
+        by_k = packed.view(torch.uint8).view(n // fast.block, k, fast.block // 2).permute(1, 0, 2)
         return torch.stack([by_k & 15, by_k >> 4], dim=2).reshape(k, n)
 
     codes = nibbles(fast.planes[0][0]).to(torch.int16)

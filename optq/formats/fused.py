@@ -62,14 +62,14 @@ class FusedGroup:
         first = fasts[0]
         planes = []
         for p in range(len(first.planes)):
-            packed = torch.cat([f.planes[p][0] for f in fasts], dim=0)  # [N, K/2]: whole 64-channel blocks
+            packed = torch.cat([f.planes[p][0] for f in fasts], dim=0)  # [N, K/2]: whole packer blocks
             scale_zero = torch.cat([f.planes[p][1] for f in fasts], dim=1).contiguous()  # [K/kg, N, 2]
             planes.append((packed, scale_zero))
         if len(first.planes) == 1:
             scale_zero = planes[0][1]
         else:
             scale_zero = torch.cat([f.scale_zero for f in fasts], dim=1).contiguous()
-        self.fast = FastWeight(first.dtype, first.group, planes, scale_zero, first.perm, readable=True)
+        self.fast = FastWeight(first.dtype, first.group, planes, scale_zero, first.perm, True, first.block)
         self.widths = [m.out_features for m in members]
         self.bits = members[0].bits
         starts = [sum(self.widths[:i]) for i in range(len(members))]
@@ -86,6 +86,7 @@ class FusedGroup:
                 f.scale_zero,
                 first.perm,
                 readable=True,
+                block=first.block,
             )
             m._fast_cache.fast = own
             m._fused = (self, len(self.member_fast))
