@@ -48,6 +48,7 @@ __all__ = [
     "KERNEL_GROUPS",
     "PREFILL_ROWS",
     "FastWeight",
+    "BF16_MATMUL_NATIVE",
     "bf16_matmul_is_native",
     "build",
     "centred_codes",
@@ -72,7 +73,6 @@ bits: where the two cross on SmolLM2's layer shapes (benchmarks/prefill_kernels.
 two int4 calls, so it crosses earlier)."""
 
 
-@functools.cache
 def bf16_matmul_is_native() -> bool:
     """Whether torch's bfloat16 matmul runs on the CPU's own bfloat16 units (x86: AVX-512 BF16 or
     AMX; other architectures are assumed to). Where it does not (an x86 CPU with AVX2 only), it is
@@ -87,6 +87,11 @@ def bf16_matmul_is_native() -> bool:
     return bool(
         getattr(cpu, "_is_avx512_bf16_supported", lambda: True)() or getattr(cpu, "_is_amx_tile_supported", bool)()
     )
+
+
+BF16_MATMUL_NATIVE = bf16_matmul_is_native()
+""":func:`bf16_matmul_is_native` on this machine, read once (a constant, so that torch.compile
+traces the prefill kernel without calling into ``torch.cpu``)."""
 
 
 def supported(bits: int, in_features: int, out_features: int, group_size: int) -> int | None:
@@ -336,7 +341,7 @@ def matmul(fast: FastWeight, x: torch.Tensor, dense: torch.Tensor | None = None)
         x = x.index_select(1, fast.perm)
     x = x.to(fast.dtype).contiguous()
     if dense is not None:
-        if dense.dtype == torch.bfloat16 and not bf16_matmul_is_native():
+        if dense.dtype == torch.bfloat16 and not BF16_MATMUL_NATIVE:
             return (x.float() @ dense.float()).to(fast.dtype)  # the same bfloat16 operands, float32 kernel
         return x @ dense
     packed, scale_zero = fast.planes[0]

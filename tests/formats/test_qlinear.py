@@ -90,7 +90,7 @@ def test_prefill_on_a_cpu_without_bf16_units_multiplies_the_same_operands_in_flo
     assert q.fast_weight is not None and q.fast_weight.perm is None
     dense = q.dense_weight(q.fast_weight)  # [256, 64] in bfloat16
     assert dense.dtype == torch.bfloat16
-    monkeypatch.setattr(cpu_kernels, "bf16_matmul_is_native", lambda: False)  # an x86 CPU with AVX2 only
+    monkeypatch.setattr(cpu_kernels, "BF16_MATMUL_NATIVE", False)  # an x86 CPU with AVX2 only
     emulated = q(x)
     expected = (x.bfloat16().float() @ dense.float()).bfloat16().float()
     assert torch.equal(emulated, expected)
