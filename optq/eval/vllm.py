@@ -106,7 +106,9 @@ def has_int4_kernel_here() -> bool:
     (:data:`NO_INT4_KERNEL`); other architectures load their one build."""
     import torch
 
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    from optq.formats.cpu_kernels import is_x86
+
+    if not is_x86():
         return True
     return bool(getattr(torch.cpu, "_is_avx512_supported", lambda: True)())
 

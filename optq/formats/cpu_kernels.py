@@ -56,6 +56,7 @@ __all__ = [
     "dequantize",
     "dequantize_traced",
     "from_packed",
+    "is_x86",
     "linear",
     "matmul",
     "packed_block",
@@ -73,6 +74,11 @@ bits: where the two cross on SmolLM2's layer shapes (benchmarks/prefill_kernels.
 two int4 calls, so it crosses earlier)."""
 
 
+def is_x86() -> bool:
+    """Whether this machine is x86, whose CPUs differ in the vector units torch and vLLM dispatch on."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 def bf16_matmul_is_native() -> bool:
     """Whether torch's bfloat16 matmul runs on the CPU's own bfloat16 units (x86: AVX-512 BF16 or
     AMX; other architectures are assumed to). Where it does not (an x86 CPU with AVX2 only), it is
@@ -81,7 +87,7 @@ def bf16_matmul_is_native() -> bool:
     SmolLM2-135M's 4-bit forward of 2 x 512 tokens 351 s against 28 s once the prefill matmul
     took the same bfloat16 operands to float32 (the exact float32 path: 32 s). There the prefill
     kernel multiplies in float32 (:func:`matmul`)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    if not is_x86():
         return True
     cpu = torch.cpu
     return bool(
@@ -167,9 +173,9 @@ def build(codes: torch.Tensor, layer: Mapping[str, Any], dtype: torch.dtype) -> 
         planes = [(_pack(codes + int(8 - mid)), scale_zero)]
     else:
         planes = [(_pack(codes >> 4), sz(16.0 * s, s * (136.0 - z))), (_pack(codes & 15), sz(s, torch.zeros_like(s)))]
-    block = packed_block() or 64
-    readable = packed_block() is not None and n % block == 0
-    return FastWeight(dtype, kernel_group, planes, scale_zero, perm, readable, block)
+    block = packed_block()
+    readable = block is not None and n % block == 0
+    return FastWeight(dtype, kernel_group, planes, scale_zero, perm, readable, block or 64)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
