@@ -80,6 +80,19 @@ def test_fast_path_equals_reference_to_bf16_precision(
     assert torch.allclose(q(x), ref, atol=1e-4, rtol=1e-4)
 
 
+class _MatmulDtypes(torch.overrides.TorchFunctionMode):
+    """Records the operand dtypes of every ``@`` (matmul) called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in ("matmul", "__matmul__"):
+            self.dtypes.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
 def test_prefill_on_a_cpu_without_bf16_units_multiplies_the_same_operands_in_float32(monkeypatch) -> None:
     from optq.formats import cpu_kernels
 
@@ -92,6 +105,13 @@ def test_prefill_on_a_cpu_without_bf16_units_multiplies_the_same_operands_in_flo
     assert dense.dtype == torch.bfloat16
     monkeypatch.setattr(cpu_kernels, "BF16_MATMUL_NATIVE", False)  # an x86 CPU with AVX2 only
     emulated = q(x)
+    with _MatmulDtypes() as seen:
+        cpu_kernels.matmul(q.fast_weight, x, dense)
+    assert seen.dtypes == [(torch.float32, torch.float32)]  # one product, in float32 (not bfloat16)
+    monkeypatch.setattr(cpu_kernels, "BF16_MATMUL_NATIVE", True)
+    with _MatmulDtypes() as seen:
+        cpu_kernels.matmul(q.fast_weight, x, dense)
+    assert seen.dtypes == [(torch.bfloat16, torch.bfloat16)]
     expected = (x.bfloat16().float() @ dense.float()).bfloat16().float()
     assert torch.equal(emulated, expected)
     ref = q.forward_reference(x)
