@@ -79,7 +79,7 @@ def check_writable(path: Path, flag: str, *, folder: bool = False) -> None:
     folder can be created (probed by creating and removing an empty one)."""
     path = path.expanduser()
     what = "folder" if folder else "file"
-    if path.exists() and path.is_dir() != folder:
+    if (path.exists() or path.is_symlink()) and path.is_dir() != folder:  # a dangling link too
         raise CliError(f"{flag} {path}: is a {'file' if folder else 'folder'}, not a {what}; choose another {flag}")
     parent = path.absolute().parent
     while not parent.exists() and parent != parent.parent:

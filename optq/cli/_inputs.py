@@ -7,13 +7,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import CliError
+from . import CliError, check_writable
 
 
 def _model_folder(name: str) -> Path:
@@ -69,24 +67,9 @@ def _calibration_tokens(spec: str, folder: Path, args: argparse.Namespace) -> An
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse, before any work, an output folder that could not be written at the end of the run.
-
-    ``out`` must be a folder or not exist (then its nearest existing ancestor must be a folder
-    where a folder can be created: probed by creating and removing an empty one).
-    """
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise CliError(f"output {out} is a file, not a folder; choose another -o")
-        if not overwrite:
-            raise CliError(f"output folder {out} exists; pass --overwrite to replace it")
-    parent = out.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise CliError(f"cannot create output folder {out}: {parent} is a file, not a folder")
-    try:
-        probe = tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent)
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        raise CliError(f"cannot create output folder {out}: no folder can be created in {parent} ({why})") from None
-    os.rmdir(probe)
+    """Refuse, before any work, an output folder that could not be written at the end of the run:
+    a file, an existing folder without ``overwrite``, or a place where no folder can be created
+    (``check_writable``)."""
+    if (out.exists() or out.is_symlink()) and out.is_dir() and not overwrite:
+        raise CliError(f"output folder {out} exists; pass --overwrite to replace it")
+    check_writable(out, "-o", folder=True)

@@ -81,6 +81,46 @@ def test_int8_head_is_the_per_row_quantized_matmul():
     assert ((y - ref).abs() <= bound).all()
 
 
+class _Products(torch.overrides.TorchFunctionMode):
+    """Records the operand dtypes of every matrix product (``@`` or ``F.linear``) called inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in ("matmul", "__matmul__", "linear"):
+            self.dtypes.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_head_on_a_cpu_without_bf16_units_multiplies_long_inputs_in_float32(monkeypatch):
+    from optq.formats import compact, cpu_kernels
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(compact, "_HEAD_SLICE", 32)  # 80 rows: slices of 32, 32, 16
+    table = compact._Table(torch.randn(80, 48), "bfloat16")
+    head = CompactHead(table)
+    W = table.weight.float()
+    monkeypatch.setattr(cpu_kernels, "BF16_MATMUL_NATIVE", False)  # an x86 CPU with AVX2 only
+    for rows, want in (
+        (compact.HEAD_FLOAT32_ROWS - 1, [(torch.bfloat16,) * 2]),
+        (compact.HEAD_FLOAT32_ROWS, [(torch.float32,) * 2] * 3),
+    ):
+        x = torch.randn(rows, 48)
+        with _Products() as seen:
+            y = head(x)
+        assert seen.dtypes == want, rows
+        assert y.dtype == torch.float32 and y.shape == (rows, 80)
+        # the same bfloat16 operands, the product rounded to bfloat16 (one rounding: 2^-8 of |y|)
+        exact = x.bfloat16().float() @ W.t()
+        assert ((y - exact).abs() <= 2.0**-8 * exact.abs() * 1.01 + 1e-6).all()
+    monkeypatch.setattr(cpu_kernels, "BF16_MATMUL_NATIVE", True)
+    with _Products() as seen:
+        head(x)
+    assert seen.dtypes == [(torch.bfloat16, torch.bfloat16)]  # native units: bfloat16 at any length
+
+
 def test_quantized_head_and_bad_names():
     model = tiny.build("llama")
     cfg = optq.QuantConfig(bits=4, group_size=16)
