@@ -5,7 +5,8 @@ tied 49152 x 576 embedding is 113 MB in float32 against 55 MB for all its packed
 head is the largest matrix read per decoded token. :func:`compact_embeddings` stores them as
 
 - ``"bfloat16"``: half the bytes; lookups return the model's dtype, the head multiplies in
-  bfloat16 (the CPU's bfloat16 matmul) and returns the model's dtype. Every value is rounded
+  bfloat16 (the CPU's bfloat16 matmul; where that is emulated, long inputs go through float32,
+  :data:`HEAD_FLOAT32_ROWS`) and returns the model's dtype. Every value is rounded
   to 8 significant bits, as the fast path's activations already are.
 - ``"int8"``: a quarter of the bytes, one float32 scale per row (symmetric, |max| / 127); the
   head runs PyTorch's int8 weight kernel ``_weight_int8pack_mm`` (one scale per output channel:
