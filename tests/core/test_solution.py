@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,6 +96,29 @@ def test_views_of_the_weight_share_the_guard():
     base.view(-1)[5] = 0.0  # written through another view of the same memory
     with pytest.raises(RuntimeError):
         _ = sol.codes
+
+
+@pytest.mark.parametrize("chunk", [1, 150, 1 << 20])
+def test_fit_groups_searches_rows_in_chunks_as_each_group_alone(monkeypatch, chunk):
+    # fit_groups searches every full group at once, a chunk of rows at a time (one row per chunk
+    # at 1, several at 150, all at 1 << 20); each group must get the bytes of a fit on it alone.
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 200, generator=gen)
+    w[:, ::17] *= 6  # outliers: the search clips
+    imp = torch.rand(200, generator=gen) * 4
+    monkeypatch.setattr(grid, "_FIT_CHUNK", chunk)
+    threads = torch.get_num_threads()
+    for group_size, kw in ((64, {}), (64, {"sym": False}), (50, {"mse_hessian": False}), (-1, {})):
+        cfg = optq.QuantConfig(bits=3, group_size=group_size, mse_grid=30, **kw)
+        scales, zeros = grid.fit_groups(w, cfg, imp)
+        width = 200 if group_size == -1 else group_size
+        assert scales.shape == zeros.shape == (37, len(range(0, 200, width)))
+        for g, lo in enumerate(range(0, 200, width)):  # 200 = 3 x 64 + 8 and 4 x 50
+            s, z = grid.fit(w[:, lo : lo + width], cfg, imp[lo : lo + width])
+            assert torch.equal(scales[:, g], s) and torch.equal(zeros[:, g], z), (group_size, kw, g)
+        minmax = grid.fit_groups(w, dataclasses.replace(cfg, mse=False, mse_hessian=False), imp)
+        assert not torch.equal(minmax[0], scales)  # the search ran
+    assert torch.get_num_threads() == threads
 
 
 def test_fit_groups_is_grid_fit_on_each_natural_group():
