@@ -116,21 +116,32 @@ def _rounding_error(
     """``sum(weight * |fake_quantize(w) - w| ** mse_norm)`` over the last dimension, computed in
     ``work`` (w's shape) by ``fake_quantize``'s operations in its order."""
     s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
-    torch.div(w, s, out=work)
-    work.round_().add_(z).clamp_(0, config.maxq).sub_(z).mul_(s).sub_(w).abs_().pow_(config.mse_norm)
+    dequantize(quantize(w, s, z, config.maxq, out=work), s, z, out=work)
+    work.sub_(w).abs_().pow_(config.mse_norm)
     if weight is not None:
         work.mul_(weight)
     return work.sum(dim=-1)
 
 
-def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
-    """Integer codes (as w's float dtype) of ``w`` on the grid; scale/zero broadcast against w."""
-    return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+def quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Integer codes (as w's float dtype) of ``w`` on the grid; scale/zero broadcast against w.
+    With ``out`` (w's shape) the codes are computed in it, by the same operations, and returned."""
+    if out is None:
+        return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
+    torch.div(w, scale, out=out)
+    return out.round_().add_(zero).clamp_(0, maxq)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``scale * (q - zero)``: the one formula every kernel of the checkpoint format uses."""
-    return scale * (q - zero)
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``scale * (q - zero)``: the one formula every kernel of the checkpoint format uses. With
+    ``out`` (q's shape, ``q`` itself allowed) the values are computed in it and returned."""
+    if out is None:
+        return scale * (q - zero)
+    return torch.sub(q, zero, out=out).mul_(scale)
 
 
 def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:

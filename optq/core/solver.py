@@ -272,8 +272,7 @@ def sweep(W: torch.Tensor, factors: tuple[torch.Tensor, ...], config: QuantConfi
                     s, z = scales[g], zeros[g]
                     w = Wt[pos]
                     q = block_codes[pos - i1]
-                    torch.div(w, s, out=q)
-                    q.round_().add_(z).clamp_(0, maxq)
+                    grid.quantize(w, s, z, maxq, out=q)
                     e = Err[pos]
                     dq = grid.dequantize(q, s, z)
                     torch.sub(w, dq, out=e)

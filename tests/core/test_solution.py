@@ -121,6 +121,20 @@ def test_fit_groups_searches_rows_in_chunks_as_each_group_alone(monkeypatch, chu
     assert torch.get_num_threads() == threads
 
 
+def test_quantize_and_dequantize_in_a_buffer_give_the_allocating_forms_bytes():
+    # the solver's column loop and the range search compute in place; the bytes must not move
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(9, 33, generator=gen) * 3
+    scale = torch.rand(9, 1, generator=gen) + 0.05
+    zero = torch.full((9, 1), 4.0)
+    q = grid.quantize(w, scale, zero, 7)
+    buf = torch.empty_like(w)
+    assert grid.quantize(w, scale, zero, 7, out=buf) is buf and torch.equal(buf, q)
+    assert q.min() == 0 and q.max() == 7  # the clamp ran on both ends
+    dq = grid.dequantize(q, scale, zero)
+    assert grid.dequantize(buf, scale, zero, out=buf) is buf and torch.equal(buf, dq)
+
+
 def test_fit_groups_is_grid_fit_on_each_natural_group():
     w = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
     for group_size, cfg_kw in (

@@ -179,7 +179,7 @@ def test_thread_count_is_restored_when_the_column_loop_is_interrupted(monkeypatc
     W, H = problem(cols=64)
     calls = []
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         calls.append(torch.get_num_threads())
         raise error()
 

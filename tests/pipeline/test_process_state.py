@@ -42,11 +42,11 @@ def _threads_in_the_column_loop(monkeypatch, fail_at: int | None = None) -> list
     seen: list[int] = []
     real = grid.dequantize
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         seen.append(torch.get_num_threads())
         if fail_at is not None and len(seen) == fail_at:
             raise RuntimeError("planted failure in the column loop")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(grid, "dequantize", recording)
     return seen
