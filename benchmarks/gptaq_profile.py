@@ -4,7 +4,13 @@ under cProfile, one after the other in this process. Prints each method's wall a
 the functions with the most own time (``--top``), side by side; writes
 benchmarks/results/gptaq_profile.json. Compare the two as ratios: the machine is noisy.
 
-    python benchmarks/gptaq_profile.py [--blocks 4] [--nsamples 32] [--seqlen 512] [--top 25]
+``--flops`` runs each method once more under torch's ``FlopCounterMode`` and prints the
+floating-point operations of its matrix products (linears, attention, the Hessian sums, the
+solver's), by operator: the arithmetic each method asks for, which no machine changes, beside the
+time it took. Their ratio is the least time ratio any implementation of the same arithmetic can
+reach where the products run at the same speed.
+
+    python benchmarks/gptaq_profile.py [--blocks 4] [--nsamples 32] [--seqlen 512] [--top 25] [--flops]
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import pstats
 import time
+from collections.abc import Callable
 
 import torch
 from common import ROOT
@@ -51,6 +58,43 @@ def profile(model: torch.nn.Module, method: str, calib: torch.Tensor) -> tuple[d
     return cost, own
 
 
+def _addmm_(_acc, a, b, *_args, out_shape=None, **_kw) -> int:  # noqa: ANN001 (shapes, by FlopCounterMode)
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _baddbmm_(_acc, a, b, *_args, out_shape=None, **_kw) -> int:  # noqa: ANN001
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
+def _sdpa_cpu(q, k, v, *_args, out_shape=None, **_kw) -> int:  # noqa: ANN001
+    # q kᵀ and the product with v, every position pair counted (as torch counts attention elsewhere)
+    batch, heads, sq, d = q
+    return 2 * batch * heads * sq * k[-2] * (d + v[-1])
+
+
+def product_flops(run: Callable[[], object]) -> dict[str, int]:
+    """The floating-point operations of the matrix products ``run()`` calls, by torch operator,
+    and "total". torch's counter knows the allocating products; the in-place ones (the Hessian
+    sums, the solver's lazy updates) and the CPU's attention kernel are counted here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    custom = {aten.addmm_: _addmm_, aten.baddbmm_: _baddbmm_}
+    custom[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu
+    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+        run()
+    ops = {str(op).removeprefix("aten."): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
+    ops["total"] = int(counter.get_total_flops())
+    return ops
+
+
+def count_flops(model: torch.nn.Module, method: str, calib: torch.Tensor) -> dict[str, int]:
+    """``product_flops`` of quantizing a copy of ``model`` with ``method``, as :func:`profile` does."""
+    work = copy.deepcopy(model)
+    config, settings = optq.QuantConfig(bits=4, group_size=64), optq.RunSettings(method=method)
+    return product_flops(lambda: optq.quantize(work, calib, config, settings=settings, progress=False))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=4)
@@ -58,6 +102,7 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--flops", action="store_true", help="also count each method's matrix-product operations")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,6 +126,12 @@ def main() -> int:
         f"gptaq / gptq: wall {ga_cost['wall_s'] / gq_cost['wall_s']:.2f}x, "
         f"cpu {ga_cost['cpu_s'] / gq_cost['cpu_s']:.2f}x"
     )
+    flops = {m: count_flops(model, m, calib) for m in ("gptq", "gptaq")} if args.flops else None
+    if flops:
+        print(f"\n{'matrix-product GFLOP':30s} {'gptq':>10s} {'gptaq':>10s} {'ratio':>7s}")
+        for op in sorted(set(flops["gptq"]) | set(flops["gptaq"]), key=lambda o: -flops["gptaq"].get(o, 0)):
+            a, b = flops["gptq"].get(op, 0), flops["gptaq"].get(op, 0)
+            print(f"{op:30s} {a / 1e9:10.1f} {b / 1e9:10.1f} {b / a if a else float('nan'):7.2f}")
     names = sorted(set(gq) | set(ga), key=lambda n: -max(gq.get(n, 0.0), ga.get(n, 0.0)))[: args.top]
     print(f"\n{'own time (s)':70s} {'gptq':>8s} {'gptaq':>8s}")
     for n in names:
@@ -90,6 +141,7 @@ def main() -> int:
             {
                 "settings": vars(args),
                 "cost": {"gptq": gq_cost, "gptaq": ga_cost},
+                "flops": flops,
                 "top": {n: {"gptq": gq.get(n, 0.0), "gptaq": ga.get(n, 0.0)} for n in names},
             },
             indent=2,
