@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="The main job on the built-in model and data: fetch smollm2-135m, quantize it "
         "to 4-bit group 128 on enwiki calibration, evaluate fp vs round-to-nearest vs optq's default "
         "method (gptaq) on held-out enwiki and German text, print the table, save the checkpoint. "
-        "About 12 min on 2 CPU cores with the defaults.",
+        "About 25 min on 2 CPU cores with the defaults (it prints an estimate for the machine as it starts).",
     )
     p.add_argument(
         "-o",
