@@ -7,8 +7,9 @@ benchmarks/results/gptaq_profile.json. Compare the two as ratios: the machine is
 ``--flops`` runs each method once more under torch's ``FlopCounterMode`` and prints the
 floating-point operations of its matrix products (linears, attention, the Hessian sums, the
 solver's), by operator: the arithmetic each method asks for, which no machine changes, beside the
-time it took. Their ratio is the least time ratio any implementation of the same arithmetic can
-reach where the products run at the same speed.
+time it took. Where the products take all of the time and run at one speed, the time ratio is
+their ratio; work that is not a product (the range search, the sweep's column steps) lowers it
+where GPTQ has as much of it as GPTAQ.
 
     python benchmarks/gptaq_profile.py [--blocks 4] [--nsamples 32] [--seqlen 512] [--top 25] [--flops]
 """
