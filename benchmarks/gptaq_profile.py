@@ -42,14 +42,20 @@ def _label(key: tuple[str, int, str]) -> str:
     return f"{short}:{line}({name})"
 
 
-def profile(model: torch.nn.Module, method: str, calib: torch.Tensor) -> tuple[dict, dict[str, float]]:
+def _quantizing(model: torch.nn.Module, method: str, calib: torch.Tensor) -> Callable[[], object]:
+    """Quantizing a copy of ``model`` with ``method`` (4 bits, group 64), to call: the one run both
+    the profile and the operation count measure."""
     work = copy.deepcopy(model)
+    config, settings = optq.QuantConfig(bits=4, group_size=64), optq.RunSettings(method=method)
+    return lambda: optq.quantize(work, calib, config, settings=settings, progress=False)
+
+
+def profile(model: torch.nn.Module, method: str, calib: torch.Tensor) -> tuple[dict, dict[str, float]]:
+    run = _quantizing(model, method, calib)
     prof = cProfile.Profile()
     t0, c0 = time.perf_counter(), os.times()
     prof.enable()
-    optq.quantize(
-        work, calib, optq.QuantConfig(bits=4, group_size=64), settings=optq.RunSettings(method=method), progress=False
-    )
+    run()
     prof.disable()
     c1 = os.times()
     cost = {"wall_s": time.perf_counter() - t0, "user_s": c1.user - c0.user, "system_s": c1.system - c0.system}
@@ -89,13 +95,6 @@ def product_flops(run: Callable[[], object]) -> dict[str, int]:
     return ops
 
 
-def count_flops(model: torch.nn.Module, method: str, calib: torch.Tensor) -> dict[str, int]:
-    """``product_flops`` of quantizing a copy of ``model`` with ``method``, as :func:`profile` does."""
-    work = copy.deepcopy(model)
-    config, settings = optq.QuantConfig(bits=4, group_size=64), optq.RunSettings(method=method)
-    return product_flops(lambda: optq.quantize(work, calib, config, settings=settings, progress=False))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=4)
@@ -127,7 +126,7 @@ def main() -> int:
         f"gptaq / gptq: wall {ga_cost['wall_s'] / gq_cost['wall_s']:.2f}x, "
         f"cpu {ga_cost['cpu_s'] / gq_cost['cpu_s']:.2f}x"
     )
-    flops = {m: count_flops(model, m, calib) for m in ("gptq", "gptaq")} if args.flops else None
+    flops = {m: product_flops(_quantizing(model, m, calib)) for m in ("gptq", "gptaq")} if args.flops else None
     if flops:
         print(f"\n{'matrix-product GFLOP':30s} {'gptq':>10s} {'gptaq':>10s} {'ratio':>7s}")
         for op in sorted(set(flops["gptq"]) | set(flops["gptaq"]), key=lambda o: -flops["gptaq"].get(o, 0)):
